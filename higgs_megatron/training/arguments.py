@@ -1,0 +1,217 @@
+"""Command-line flags of the pretrain script, named as in Megatron-LM, and their validation.
+
+``parse_args`` returns an ``argparse.Namespace`` whose fields carry Megatron-LM's names
+(``tensor_model_parallel_size``, ``global_batch_size``...). Every check that can be made
+without a process group is made here, so bad input stops the job before any collective
+runs: the launcher's rank 0 prints one message naming the flag and what was expected, and
+every rank exits with status 2 (``UsageError``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+import torch
+
+EXIT_USAGE = 2
+
+
+class UsageError(SystemExit):
+    """Bad command-line input: printed once (by rank 0) and exits with status 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_USAGE)
+        self.message = message
+
+
+def launcher_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def launcher_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: unknown flags, bad choices
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="pretrain_gpt.py",
+        description="Pretrain a megatron-core GPT model (dense Megatron DDP baseline).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
+                   help="auto: Transformer Engine when it is importable and CUDA is present, else local")
+    g.add_argument("--bf16", action="store_true")
+
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: nccl when CUDA is available, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (Megatron's default: max(40M, 1M x DP))")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default micro batch x data-parallel size (no accumulation)")
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=None, help="default: a tenth of --train-iters")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
+                   default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", default=None,
+                   help="a text file or a folder of text files; default: this Python's standard library sources")
+    g.add_argument("--data-cache-path", default=None, help="where the indexed corpus is cached")
+    g.add_argument("--split", default="98,2,0", help="train,validation,test weights over documents")
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=50)
+    g.add_argument("--eval-iters", type=int, default=5)
+    g.add_argument("--log-json", default=None, metavar="PATH",
+                   help="append one JSON object per logged iteration and per event")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads per rank on CPU; default: cores / local ranks")
+    return parser
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check the flags against each other and the launch; fill derived fields."""
+    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+              "global_batch_size", "train_iters", "tensor_model_parallel_size",
+              "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
+              "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads")
+    if args.eval_iters < 0:
+        raise UsageError(f"--eval-iters must be 0 or more, got {args.eval_iters}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp) != 0:
+        raise UsageError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}"
+        )
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.num_attention_heads % tp != 0:
+        raise UsageError(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    if args.hidden_size % args.num_attention_heads != 0:
+        raise UsageError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}"
+        )
+    if args.num_layers % pp != 0:
+        raise UsageError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"
+        )
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step != 0:
+        raise UsageError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}"
+        )
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise UsageError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}"
+        )
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters is None:
+        args.lr_warmup_iters = args.train_iters // 10
+    if args.lr_warmup_iters < 0 or args.lr_warmup_iters >= args.lr_decay_iters:
+        raise UsageError(f"--lr-warmup-iters {args.lr_warmup_iters} must be at least 0 and below "
+                         f"--lr-decay-iters {args.lr_decay_iters} (which defaults to --train-iters)")
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.data_path is not None and not os.path.exists(args.data_path):
+        raise UsageError(f"--data-path {args.data_path}: no such file or directory")
+    cuda = torch.cuda.is_available()
+    if args.distributed_backend == "auto":
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    if args.distributed_backend == "nccl" and not cuda:
+        raise UsageError("--distributed-backend nccl needs CUDA, and CUDA is not available here; use gloo")
+    if args.transformer_impl == "transformer_engine" and not (cuda and _te_importable()):
+        raise UsageError("--transformer-impl transformer_engine needs CUDA and transformer-engine installed")
+    if args.transformer_impl == "auto":
+        args.transformer_impl = "transformer_engine" if cuda and _te_importable() else "local"
+    if args.tensorboard_dir is not None:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise UsageError("--tensorboard-dir needs the tensorboard package: pip install 'higgs-megatron[tensorboard]'")
+    try:
+        weights = [float(w) for w in args.split.split(",")]
+        assert len(weights) == 3 and min(weights) >= 0 and weights[0] > 0 and weights[1] > 0
+    except (ValueError, AssertionError):
+        raise UsageError(f"--split {args.split!r}: expected three weights 'train,validation,test' "
+                         "with train and validation above zero")
+    return args
+
+
+def _te_importable() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
+               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse and validate; raises UsageError (exit 2) with one message on bad input."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    return validate_args(args, launcher_world_size() if world_size is None else world_size)
+
+
+def report_usage_error(error: UsageError) -> None:
+    """Print the message once per job (on the launcher's rank 0)."""
+    if launcher_rank() == 0:
+        print(error.message, file=sys.stderr, flush=True)

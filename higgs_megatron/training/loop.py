@@ -1,0 +1,273 @@
+"""The training loop behind ``examples/pretrain_gpt.py``, readable top to bottom.
+
+    setup:  flags -> process groups -> corpus -> datasets -> model chunks in DDP -> optimizer
+            -> LR schedule -> Megatron's config hooks (no_sync, grad sync, finalize, loss scale)
+    train:  per iteration: zero grad buffers -> Megatron's forward_backward_func over the
+            micro-batches (gradient accumulation and pipeline schedules live there) ->
+            optimizer.step() (which finalizes grads: DP reduction, clipping) -> LR step ->
+            log every --log-interval, validate every --eval-interval
+
+Everything model-parallel is megatron-core's own; this module only sequences it. Parts
+that later layers swap (the DDP class, the optimizer wrapper) come in through ``Trainer``'s
+constructor, so the loop itself does not change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from ..cpu import cpu_megatron
+from .arguments import UsageError, parse_args, report_usage_error
+from .corpus import DataPathError, build_corpus, find_text_files
+from .data import Batch, build_datasets, iteration_batches
+from .metrics import MetricsLogger
+from .model import build_model, build_optimizer, build_scheduler, num_parameters, transformer_config
+from .parallel import destroy_parallel, init_parallel, local_world_size
+
+
+@dataclass
+class TrainResult:
+    """Per-iteration history, as seen by this rank (losses only on the last pipeline stage)."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    valid_losses: dict[int, float] = field(default_factory=dict)
+    step_times: dict[int, float] = field(default_factory=dict)
+    tokens_per_second: dict[int, float] = field(default_factory=dict)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Token-summed loss, its token count, and both for reporting (Megatron's 3-tuple protocol)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+
+def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+class Trainer:
+    """Owns one job's state; ``train()`` runs the loop and returns the history."""
+
+    def __init__(self, args: argparse.Namespace, ddp_class: type[DistributedDataParallel] = DistributedDataParallel,
+                 wrap_optimizer: Callable | None = None) -> None:
+        self.args = args
+        self.rank = dist.get_rank()
+        self.log = MetricsLogger(is_writer=self.rank == dist.get_world_size() - 1,
+                                 log_json=args.log_json, tensorboard_dir=args.tensorboard_dir)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+
+        started = time.monotonic()
+        corpus = build_corpus(args.data_path, args.data_cache_path,
+                              progress=lambda line: print(f"[rank {self.rank}] {line}", flush=True))
+        self.corpus = corpus
+        evals = args.train_iters // args.eval_interval + 1
+        self.datasets = build_datasets(
+            corpus, args.seq_length, args.seed, args.split,
+            train_samples=args.train_iters * args.global_batch_size,
+            valid_samples=max(1, args.eval_iters) * args.global_batch_size,
+            cache_dir=args.data_cache_path,
+        )
+        self.log.event("corpus_ready", f"corpus: {corpus.source}: {corpus.files} files, {corpus.documents} documents, "
+                       f"{corpus.tokens:,} tokens ({time.monotonic() - started:.1f}s); "
+                       f"{len(self.datasets.train)} train / {len(self.datasets.valid)} validation samples",
+                       documents=corpus.documents, tokens=corpus.tokens, source=corpus.source,
+                       evaluations=evals)
+
+        self.config = transformer_config(args)
+        self.model = build_model(args, self.config, ddp_class)
+        optimizer = build_optimizer(args, self.model)
+        self.optimizer = wrap_optimizer(optimizer) if wrap_optimizer is not None else optimizer
+        self.scheduler = build_scheduler(args, self.optimizer)
+        self._wire_megatron_hooks()
+
+        params = torch.tensor([num_parameters(self.model)], dtype=torch.long)
+        if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
+            params.zero_()
+        dist.all_reduce(params)
+        self.log.event(
+            "setup_done",
+            f"model: {params.item():,} parameters; world {dist.get_world_size()} = "
+            f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x DP {self.dp_size}; "
+            f"backend {args.distributed_backend}; {args.num_microbatches} micro-batch(es) per step",
+            parameters=params.item(), world_size=dist.get_world_size(),
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            data_parallel_size=self.dp_size,
+        )
+        self.iteration = 0
+        self.consumed_samples = 0
+
+    def _wire_megatron_hooks(self) -> None:
+        """What Megatron-LM's training.py sets on the model config before its loop."""
+        config = get_model_config(self.model[0])
+        if self.args.overlap_grad_reduce:
+            config.no_sync_func = self.model[0].no_sync
+            config.grad_sync_func = self.model[0].start_grad_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+
+    def _forward_backward(self, consumed_samples: int, forward_only: bool, dataset) -> list[dict]:
+        args = self.args
+        batches = iteration_batches(dataset, consumed_samples, args.micro_batch_size, self.dp_rank,
+                                    self.dp_size, args.num_microbatches)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=batches,
+            model=self.model,
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def _reduce_loss(self, loss_dicts: list[dict]) -> float | None:
+        """Token-weighted mean loss over micro-batches and DP ranks; None off the last stage."""
+        if not self.is_last_stage:
+            return None
+        total = torch.stack([d["lm loss"] for d in loss_dicts]).sum(dim=0)
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    def train_step(self) -> tuple[bool, float | None, float | None]:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_dicts = self._forward_backward(self.consumed_samples, False, self.datasets.train)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=self.args.global_batch_size)
+        return update_successful, self._reduce_loss(loss_dicts), grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        for chunk in self.model:
+            chunk.eval()
+        losses = []
+        for i in range(self.args.eval_iters):
+            losses += self._forward_backward(i * self.args.global_batch_size, True, self.datasets.valid)
+        for chunk in self.model:
+            chunk.train()
+        return self._reduce_loss(losses) if losses else None
+
+    def train(self) -> TrainResult:
+        args = self.args
+        result = TrainResult()
+        skipped = 0
+        tokens_per_step = args.global_batch_size * args.seq_length
+        window_start, window_iters = time.perf_counter(), 0
+        while self.iteration < args.train_iters:
+            started = time.perf_counter()
+            ok, loss, grad_norm = self.train_step()
+            step_time = time.perf_counter() - started
+            self.iteration += 1
+            self.consumed_samples += args.global_batch_size
+            skipped += 0 if ok else 1
+            window_iters += 1
+            result.step_times[self.iteration] = step_time
+            result.tokens_per_second[self.iteration] = tokens_per_step / step_time
+            if loss is not None:
+                result.losses[self.iteration] = loss
+            if grad_norm is not None:
+                result.grad_norms[self.iteration] = float(grad_norm)
+            if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                elapsed = (time.perf_counter() - window_start) / window_iters
+                fields = {
+                    "consumed samples": self.consumed_samples,
+                    "elapsed time per iteration (ms)": elapsed * 1000.0,
+                    "learning rate": self.scheduler.get_lr(self.optimizer.param_groups[0]),
+                    "global batch size": args.global_batch_size,
+                }
+                if loss is not None:
+                    fields["lm loss"] = loss
+                if grad_norm is not None:
+                    fields["grad norm"] = float(grad_norm)
+                fields["tokens per second"] = tokens_per_step / elapsed
+                fields["number of skipped iterations"] = skipped
+                self.log.iteration(self.iteration, args.train_iters, fields)
+                window_start, window_iters = time.perf_counter(), 0
+            if args.eval_iters > 0 and (self.iteration % args.eval_interval == 0
+                                        or self.iteration == args.train_iters):
+                valid_loss = self.evaluate()
+                if valid_loss is not None:
+                    result.valid_losses[self.iteration] = valid_loss
+                    self.log.event("validation", f" validation loss at iteration {self.iteration}: "
+                                   f"{valid_loss:.6E}", iteration=self.iteration, loss=valid_loss)
+                window_start = time.perf_counter()
+        return result
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def _default_threads() -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size()))
+
+
+def check_data_path(args: argparse.Namespace) -> None:
+    """A user's data path must name non-empty text; checked before any process group exists."""
+    if args.data_path is not None:
+        try:
+            find_text_files(args.data_path)
+        except DataPathError as error:
+            raise UsageError(str(error)) from None
+
+
+@contextlib.contextmanager
+def training_environment(args: argparse.Namespace) -> Iterator[None]:
+    """Threads, the CPU scope when running on gloo without CUDA, and the process groups."""
+    # Megatron's TP overlap assumes one device work queue; Megatron-LM's launch scripts set it too.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if not torch.cuda.is_available():
+        torch.set_num_threads(args.num_threads or _default_threads())
+    scope = cpu_megatron() if not torch.cuda.is_available() else contextlib.nullcontext()
+    with scope:
+        init_parallel(args.distributed_backend, args.tensor_model_parallel_size,
+                      args.pipeline_model_parallel_size, args.seed, args.distributed_timeout_minutes)
+        try:
+            yield
+        finally:
+            destroy_parallel()
+
+
+def run(args: argparse.Namespace, **trainer_kwargs) -> TrainResult:
+    """Train with already-validated args inside the training environment."""
+    with training_environment(args):
+        trainer = Trainer(args, **trainer_kwargs)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse, validate, train. Bad input: one message, exit status 2."""
+    try:
+        args = parse_args(argv)
+        check_data_path(args)
+    except UsageError as error:
+        report_usage_error(error)
+        return error.code
+    run(args)
+    return 0

@@ -1,0 +1,43 @@
+"""Process groups for a training job: the default group, then Megatron's model-parallel groups.
+
+``init_parallel`` is what Megatron-LM's ``initialize_megatron`` does for the pieces this
+project needs: ``torch.distributed`` from the launcher's environment (torchrun sets
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), then
+``parallel_state.initialize_model_parallel`` with the tensor and pipeline sizes, then the
+model-parallel RNG seeds (distinct per TP rank for dropout, identical across DP ranks).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+
+def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                  seed: int, timeout_minutes: float = 10.0) -> None:
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
