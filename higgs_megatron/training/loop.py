@@ -261,13 +261,18 @@ def run(args: argparse.Namespace, **trainer_kwargs) -> TrainResult:
             trainer.close()
 
 
+def pretrain(argv: Sequence[str] | None = None, **trainer_kwargs) -> TrainResult:
+    """Parse and validate ``argv`` for this launch, then train; raises UsageError on bad input."""
+    args = parse_args(argv)
+    check_data_path(args)
+    return run(args, **trainer_kwargs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse, validate, train. Bad input: one message, exit status 2."""
     try:
-        args = parse_args(argv)
-        check_data_path(args)
+        pretrain(argv)
     except UsageError as error:
         report_usage_error(error)
         return error.code
-    run(args)
     return 0

@@ -1,0 +1,103 @@
+"""Run a function on N gloo ranks in fresh processes: the harness behind the multi-process tests.
+
+    results = run_ranks(train_fn, world_size=4, args=(argv,), timeout=300)
+
+Each rank is a new interpreter (``spawn``), given the environment torchrun would give it
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT`` on a free loopback port), and calls ``fn(*args)``; its return value comes
+back pickled, one per rank, in rank order. When a rank raises, the others are killed and
+``RankFailure`` carries that rank's traceback; when the job outlives ``timeout``, every
+rank is killed and ``RankFailure`` names the ranks that had not finished. ``fn`` must be
+importable by name (a module-level function), as ``spawn`` requires.
+
+``run_pretrain_script`` runs ``examples/pretrain_gpt.py`` under torchrun instead, for tests
+that check what a user sees (exit status, log lines, the JSONL file).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PRETRAIN_SCRIPT = REPO_ROOT / "examples" / "pretrain_gpt.py"
+
+
+class RankFailure(AssertionError):
+    """A rank raised, died, or did not finish in time; the message holds its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], queue: Any) -> None:
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    try:
+        queue.put((rank, True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 300.0,
+              env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` fresh processes; return their results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {
+            "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1", **(env or {}),
+        }
+        proc = ctx.Process(target=_rank_main, args=(fn, args, rank_env, queue), daemon=True)
+        proc.start()
+        procs.append(proc)
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except Exception:  # queue.Empty
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in results]
+                if dead:
+                    raise RankFailure(f"rank(s) {dead} died with exit code(s) "
+                                      f"{[procs[r].exitcode for r in dead]} before reporting")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise RankFailure(f"timed out after {timeout:.0f}s; rank(s) {missing} had not finished")
+                continue
+            if not ok:
+                raise RankFailure(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10 if len(results) == world_size else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[r] for r in range(world_size)]
+
+
+def run_pretrain_script(argv: Sequence[str], nproc: int, timeout: float = 300.0,
+                        env: dict[str, str] | None = None,
+                        script: Path = PRETRAIN_SCRIPT) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node N examples/pretrain_gpt.py ARGV``; output captured."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script), *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=REPO_ROOT)

@@ -1,0 +1,66 @@
+"""Bad input: one clear message naming the flag, exit status 2, before any process group."""
+
+import subprocess
+import sys
+
+import pytest
+
+from higgs_megatron.testing import PRETRAIN_SCRIPT, run_pretrain_script
+from higgs_megatron.training.arguments import UsageError, parse_args
+
+
+def test_defaults_fill_derived_fields():
+    args = parse_args(["--micro-batch-size", "2", "--global-batch-size", "16",
+                       "--tensor-model-parallel-size", "2"], world_size=4)
+    assert args.data_parallel_size == 2 and args.num_microbatches == 4
+    assert args.distributed_backend == "gloo" and args.transformer_impl == "local"
+    assert args.max_position_embeddings == args.seq_length
+    assert args.lr_decay_iters == args.train_iters and args.lr_warmup_iters == args.train_iters // 10
+
+
+@pytest.mark.parametrize("argv,world_size,message", [
+    (["--tensor-model-parallel-size", "3"], 4,
+     "world size 4 is not divisible by --tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1"),
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2,
+     "world size 2 is not divisible by --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 = 4"),
+    (["--num-attention-heads", "3", "--hidden-size", "96", "--tensor-model-parallel-size", "2"], 2,
+     "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 2,
+     "--global-batch-size 6 is not divisible by --micro-batch-size 4 x data-parallel size 2 = 8"),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
+     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    (["--data-path", "/nonexistent/corpus"], 1, "--data-path /nonexistent/corpus: no such file or directory"),
+    (["--distributed-backend", "mpi"], 1, "argument --distributed-backend: invalid choice: 'mpi'"),
+    (["--distributed-backend", "nccl"], 1, "--distributed-backend nccl needs CUDA"),
+    (["--micro-batch-size", "0"], 1, "--micro-batch-size must be positive, got 0"),
+    (["--seq-length", "256", "--max-position-embeddings", "128"], 1,
+     "--seq-length 256 exceeds --max-position-embeddings 128"),
+    (["--split", "100,0,0"], 1, "--split '100,0,0': expected three weights"),
+])
+def test_bad_input_is_named(argv, world_size, message):
+    with pytest.raises(UsageError) as info:
+        parse_args(argv, world_size=world_size)
+    assert message in info.value.message
+    assert info.value.code == 2
+
+
+def _run_single(argv):
+    return subprocess.run([sys.executable, str(PRETRAIN_SCRIPT), *argv], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_empty_data_folder_exits_2_with_one_line(tmp_path):
+    proc = _run_single(["--data-path", str(tmp_path)])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"--data-path {tmp_path}: the folder holds no text files "
+                                                "(looked for .py, .txt, .md, .rst, .json, .jsonl, .c, .h, .html, .csv)"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_under_torchrun_the_message_appears_once_and_ranks_exit_2():
+    proc = run_pretrain_script(["--tensor-model-parallel-size", "3"], nproc=2, timeout=120)
+    assert proc.returncode != 0
+    message = "world size 2 is not divisible by --tensor-model-parallel-size 3"
+    assert (proc.stdout + proc.stderr).count(message) == 1
+    assert "Traceback (most recent call last)" not in proc.stdout
+    assert "exitcode  : 2" in proc.stderr
