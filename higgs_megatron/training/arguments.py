@@ -16,6 +16,8 @@ from typing import Sequence
 
 import torch
 
+from ..config import add_higgs_args, higgs_config_from_args
+
 EXIT_USAGE = 2
 
 
@@ -107,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads per rank on CPU; default: cores / local ranks")
+    add_higgs_args(parser)
     return parser
 
 
@@ -122,7 +125,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
               "global_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
-              "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads")
+              "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads",
+              "check_weight_hash_across_dp_replicas_interval")
+    try:
+        args.higgs_config = higgs_config_from_args(args) if args.use_higgs else None
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     if args.eval_iters < 0:
         raise UsageError(f"--eval-iters must be 0 or more, got {args.eval_iters}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

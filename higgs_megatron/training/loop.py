@@ -20,17 +20,19 @@ import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
+from megatron.core.utils import check_param_hashes_across_dp_replicas, get_model_config
 
 from ..cpu import cpu_megatron
+from ..ddp import HiggsDDP, dense_bytes_per_step
+from ..optimizer import wrap_optimizer
 from .arguments import UsageError, parse_args, report_usage_error
 from .corpus import DataPathError, build_corpus, find_text_files
 from .data import Batch, build_datasets, iteration_batches
@@ -68,8 +70,7 @@ def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
 class Trainer:
     """Owns one job's state; ``train()`` runs the loop and returns the history."""
 
-    def __init__(self, args: argparse.Namespace, ddp_class: type[DistributedDataParallel] = DistributedDataParallel,
-                 wrap_optimizer: Callable | None = None) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rank = dist.get_rank()
         self.log = MetricsLogger(is_writer=self.rank == dist.get_world_size() - 1,
@@ -96,9 +97,15 @@ class Trainer:
                        evaluations=evals)
 
         self.config = transformer_config(args)
-        self.model = build_model(args, self.config, ddp_class)
-        optimizer = build_optimizer(args, self.model)
-        self.optimizer = wrap_optimizer(optimizer) if wrap_optimizer is not None else optimizer
+        if args.use_higgs:
+            self.model = build_model(args, self.config, HiggsDDP, higgs_config=args.higgs_config)
+            self.optimizer = wrap_optimizer(build_optimizer(args, self.model), self.model)
+            self.optimizer.on_skip.append(lambda: self.log.event(
+                "step_skipped", f" iteration {self.iteration + 1}: non-finite gradients on some rank; "
+                "step skipped on every rank, error-feedback residuals kept", iteration=self.iteration + 1))
+        else:
+            self.model = build_model(args, self.config)
+            self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
         self._wire_megatron_hooks()
 
@@ -115,6 +122,7 @@ class Trainer:
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             data_parallel_size=self.dp_size,
+            higgs=args.higgs_config.to_dict() if args.use_higgs else None,
         )
         self.iteration = 0
         self.consumed_samples = 0
@@ -171,12 +179,33 @@ class Trainer:
             chunk.train()
         return self._reduce_loss(losses) if losses else None
 
+    def _traffic(self) -> tuple[int, int, float, float]:
+        """This step's (bytes handed to collectives, dense-equivalent bytes, compress s, density)."""
+        sent = dense = 0
+        seconds, density = 0.0, 1.0
+        for chunk in self.model:
+            if isinstance(chunk, HiggsDDP):
+                stats = chunk.take_stats()
+                sent, dense = sent + stats.bytes_sent, dense + stats.dense_bytes
+                seconds, density = seconds + stats.compress_seconds, stats.density
+            else:
+                sent += dense_bytes_per_step(chunk)
+                dense += dense_bytes_per_step(chunk)
+        return sent, dense, seconds, density
+
+    def _check_replicas(self) -> None:
+        """Megatron's own check: every DP replica holds bitwise-identical parameters."""
+        if not check_param_hashes_across_dp_replicas(self.model, cross_check=True):
+            raise RuntimeError(f"data-parallel replicas hold different parameters at iteration {self.iteration} "
+                               "(--check-weight-hash-across-dp-replicas-interval)")
+        self.log.event("replicas_identical", iteration=self.iteration)
+
     def train(self) -> TrainResult:
         args = self.args
         result = TrainResult()
         skipped = 0
         tokens_per_step = args.global_batch_size * args.seq_length
-        window_start, window_iters = time.perf_counter(), 0
+        window = _Window()
         while self.iteration < args.train_iters:
             started = time.perf_counter()
             ok, loss, grad_norm = self.train_step()
@@ -184,15 +213,19 @@ class Trainer:
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
             skipped += 0 if ok else 1
-            window_iters += 1
+            window.add(*self._traffic())
             result.step_times[self.iteration] = step_time
             result.tokens_per_second[self.iteration] = tokens_per_step / step_time
             if loss is not None:
                 result.losses[self.iteration] = loss
             if grad_norm is not None:
                 result.grad_norms[self.iteration] = float(grad_norm)
+            interval = args.check_weight_hash_across_dp_replicas_interval
+            if interval and self.iteration % interval == 0:
+                self._check_replicas()
             if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                elapsed = (time.perf_counter() - window_start) / window_iters
+                elapsed = window.seconds_per_iteration()
+                sent, dense, compress_seconds = window.per_rank_per_step()
                 fields = {
                     "consumed samples": self.consumed_samples,
                     "elapsed time per iteration (ms)": elapsed * 1000.0,
@@ -204,9 +237,14 @@ class Trainer:
                 if grad_norm is not None:
                     fields["grad norm"] = float(grad_norm)
                 fields["tokens per second"] = tokens_per_step / elapsed
+                fields["bytes sent"] = int(sent)
+                fields["dense bytes"] = int(dense)
+                if args.use_higgs:
+                    fields["density"] = window.density
+                    fields["compression time (ms)"] = compress_seconds * 1000.0
                 fields["number of skipped iterations"] = skipped
                 self.log.iteration(self.iteration, args.train_iters, fields)
-                window_start, window_iters = time.perf_counter(), 0
+                window = _Window()
             if args.eval_iters > 0 and (self.iteration % args.eval_interval == 0
                                         or self.iteration == args.train_iters):
                 valid_loss = self.evaluate()
@@ -214,11 +252,49 @@ class Trainer:
                     result.valid_losses[self.iteration] = valid_loss
                     self.log.event("validation", f" validation loss at iteration {self.iteration}: "
                                    f"{valid_loss:.6E}", iteration=self.iteration, loss=valid_loss)
-                window_start = time.perf_counter()
+                window.started = time.perf_counter()
         return result
+
+    def state_dict(self) -> dict:
+        """Everything a same-layout resume needs, for this rank (model, optimizer, schedule, position)."""
+        return {"model": [chunk.state_dict() for chunk in self.model], "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "iteration": self.iteration,
+                "consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        for chunk, chunk_state in zip(self.model, state["model"]):
+            chunk.load_state_dict(chunk_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.iteration = state["iteration"]
+        self.consumed_samples = state["consumed_samples"]
 
     def close(self) -> None:
         self.log.close()
+
+
+class _Window:
+    """Step time and traffic since the last log line; traffic averaged over all ranks."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.iterations = 0
+        self.totals = torch.zeros(3, dtype=torch.float64)
+        self.density = 1.0
+
+    def add(self, sent: int, dense: int, compress_seconds: float, density: float) -> None:
+        self.iterations += 1
+        self.totals += torch.tensor([sent, dense, compress_seconds], dtype=torch.float64)
+        self.density = density
+
+    def seconds_per_iteration(self) -> float:
+        return (time.perf_counter() - self.started) / max(1, self.iterations)
+
+    def per_rank_per_step(self) -> list[float]:
+        """A collective over the default group: every rank logs at the same iterations."""
+        totals = self.totals.clone()
+        dist.all_reduce(totals)
+        return (totals / (dist.get_world_size() * max(1, self.iterations))).tolist()
 
 
 def _default_threads() -> int:

@@ -1,0 +1,55 @@
+"""One bucket's accumulated gradient -> the fixed-size sparse payload it sends.
+
+``compress(acc, plan, density, selector, key)`` returns a ``SparseGrad``:
+
+* ``always``: the values of ``plan.always_positions`` (small parameters, sent in full; their
+  positions are known to every peer from the plan, so they are not sent);
+* ``positions`` / ``values``: the selected coordinates of the other parts, a fixed number of
+  them (padding slots, if the selector came up short, repeat a real position and carry 0);
+* ``sent``: every real position sent, for the error-feedback residual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .plan import BucketPlan
+from .selection import Selector
+
+
+@dataclass
+class SparseGrad:
+    always: torch.Tensor  # [n_always], acc's dtype, at plan.always_positions
+    positions: torch.Tensor  # int64 [k_selected]
+    values: torch.Tensor  # [k_selected], acc's dtype
+    sent: torch.Tensor  # int64, the real positions sent (always + real selections)
+
+
+def compress(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,
+             key: object = None) -> SparseGrad:
+    magnitudes = acc.abs()
+    parts, real = [], [plan.always_positions]
+    k_rep = plan.k_replicated(density)
+    if k_rep:
+        rep = plan.replicated_positions
+        chosen, valid = selector.select(magnitudes[rep], k_rep, key=(key, "replicated"))
+        parts.append(rep[chosen])
+        real.append(rep[chosen[:valid]])
+    k_main = plan.k_main(density)
+    if k_main:
+        for start, end in plan.masked_ranges:
+            magnitudes[start:end] = -1.0
+        chosen, valid = selector.select(magnitudes, k_main, key=(key, "main"))
+        parts.append(chosen)
+        real.append(chosen[:valid])
+    positions = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=acc.device)
+    values = acc[positions]
+    sent = torch.cat(real)
+    if sent.numel() < plan.always_positions.numel() + positions.numel():  # zero the padding slots
+        offset = 0
+        for part, got in zip(parts, real[1:]):
+            values[offset + got.numel():offset + part.numel()] = 0
+            offset += part.numel()
+    return SparseGrad(always=acc[plan.always_positions], positions=positions, values=values, sent=sent)

@@ -1,0 +1,58 @@
+"""Error feedback: what a rank did not send this step is added to its next step's gradient.
+
+Per bucket, per step:  ``acc = grad + residual``;  send ``acc`` at the selected positions;
+``residual' = acc`` with those positions zeroed. So ``sent + residual' == acc`` exactly (no
+arithmetic touches the values), which is what keeps top-k converging (Stich et al. 2018).
+
+The new residual is *staged*, not committed: if every rank then agrees to skip the step
+(non-finite gradients somewhere, or an abandoned sync), ``rollback()`` drops it and the
+residual is as it was before the step. A staged residual commits when the next step
+begins (``accumulate``), or explicitly; ``current`` is what a checkpoint must save. The
+price is a second buffer the size of the bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ResidualBuffer:
+    """The committed residual of one bucket plus the one staged by the step in flight."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.committed = torch.zeros(numel, dtype=dtype, device=device)
+        self.staged = torch.zeros(numel, dtype=dtype, device=device)
+        self.has_staged = False
+
+    def commit(self) -> None:
+        if self.has_staged:
+            self.committed, self.staged = self.staged, self.committed
+            self.has_staged = False
+
+    def rollback(self) -> None:
+        self.has_staged = False
+
+    @property
+    def current(self) -> torch.Tensor:
+        """The residual a resumed run must start from: staged if the step went through."""
+        return self.staged if self.has_staged else self.committed
+
+    def load(self, value: torch.Tensor) -> None:
+        self.committed.copy_(value.reshape(-1))
+        self.has_staged = False
+
+    def accumulate(self, grad: torch.Tensor) -> None:
+        """``grad += residual`` in place (grad becomes acc), after committing the last step."""
+        self.commit()
+        grad.add_(self.committed)
+
+    def stage(self, acc: torch.Tensor, sent_positions: torch.Tensor) -> None:
+        """Residual after sending ``acc`` at ``sent_positions``."""
+        self.staged.copy_(acc)
+        self.staged[sent_positions] = 0
+        self.has_staged = True
+
+    def stage_all_sent(self) -> None:
+        """The whole of ``acc`` went out (a dense step): nothing remains."""
+        self.staged.zero_()
+        self.has_staged = True

@@ -1,0 +1,113 @@
+"""HiggsConfig: what the compressed data-parallel sync does, from Python or from flags.
+
+``HiggsConfig`` is validated on construction (``ValueError`` naming the field and the
+allowed range). ``add_higgs_args(parser)`` adds the same settings as command-line flags
+(``--use-higgs``, ``--higgs-compression-ratio``...), and ``higgs_config_from_args(args)``
+builds the config from the parsed flags, naming the flag when a value is out of range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass
+
+COMPRESSORS = ("topk", "sampled-topk", "none")
+SYNC_MODES = ("auto", "dense", "sparse")
+
+
+@dataclass
+class HiggsConfig:
+    compression_ratio: float = 0.01
+    """Density: the fraction of each bucket's coordinates sent per step, in (0, 1]."""
+
+    compressor: str = "topk"
+    """'topk' (exact), 'sampled-topk' (threshold from a sample, DGC-style), or 'none'
+    (dense, through the same machinery: Megatron's own collective on every bucket)."""
+
+    error_feedback: bool = True
+    """Add what was not sent to the next step's gradient (keeps top-k converging)."""
+
+    density_warmup_iters: int = 0
+    """Go from dense to ``compression_ratio`` geometrically over the first N steps."""
+
+    min_param_numel: int = 1024
+    """Parameters smaller than this (biases, layer norms) are sent in full every step."""
+
+    min_bucket_numel: int = 16384
+    """Buckets smaller than this stay dense (Megatron's own collective)."""
+
+    sync: str = "auto"
+    """Per bucket: 'sparse' always compresses; 'dense' never; 'auto' compresses a bucket only
+    when its sparse payload is smaller than the dense bucket."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.compression_ratio <= 1.0) or math.isnan(self.compression_ratio):
+            raise ValueError(f"compression_ratio must be in (0, 1], got {self.compression_ratio}")
+        if self.compressor not in COMPRESSORS:
+            raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)}; got {self.compressor!r}")
+        if self.sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {', '.join(SYNC_MODES)}; got {self.sync!r}")
+        for name in ("density_warmup_iters", "min_param_numel", "min_bucket_numel"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+
+    def density(self, step: int) -> float:
+        """The density in force at ``step`` (0-based): dense -> target over the warm-up."""
+        if step >= self.density_warmup_iters:
+            return self.compression_ratio
+        return self.compression_ratio ** (step / self.density_warmup_iters)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_FLAG_OF_FIELD = {
+    "compression_ratio": "--higgs-compression-ratio",
+    "compressor": "--higgs-compressor",
+    "density_warmup_iters": "--higgs-density-warmup-iters",
+    "min_param_numel": "--higgs-min-param-numel",
+    "min_bucket_numel": "--higgs-min-bucket-numel",
+    "sync": "--higgs-sync",
+}
+
+
+def add_higgs_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    defaults = HiggsConfig()
+    g = parser.add_argument_group("higgs: compressed data-parallel gradient sync")
+    g.add_argument("--use-higgs", action="store_true",
+                   help="replace Megatron's DP gradient reduction with top-k + error feedback")
+    g.add_argument("--higgs-compression-ratio", type=float, default=defaults.compression_ratio,
+                   help="density in (0, 1]: fraction of each bucket sent per step")
+    g.add_argument("--higgs-compressor", choices=COMPRESSORS, default=defaults.compressor)
+    g.add_argument("--no-higgs-error-feedback", dest="higgs_error_feedback", action="store_false",
+                   help="drop what is not sent instead of carrying it to the next step")
+    g.add_argument("--higgs-density-warmup-iters", type=int, default=defaults.density_warmup_iters,
+                   help="go from dense to the target density over the first N iterations")
+    g.add_argument("--higgs-min-param-numel", type=int, default=defaults.min_param_numel,
+                   help="parameters smaller than this are sent in full")
+    g.add_argument("--higgs-min-bucket-numel", type=int, default=defaults.min_bucket_numel,
+                   help="buckets smaller than this stay dense")
+    g.add_argument("--higgs-sync", choices=SYNC_MODES, default=defaults.sync,
+                   help="auto: compress a bucket only when its payload is smaller than dense")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations verify that all DP replicas hold identical parameters")
+    return parser
+
+
+def higgs_config_from_args(args: argparse.Namespace) -> HiggsConfig:
+    """Build the config; a ValueError names the offending flag."""
+    values = dict(
+        compression_ratio=args.higgs_compression_ratio,
+        compressor=args.higgs_compressor,
+        error_feedback=args.higgs_error_feedback,
+        density_warmup_iters=args.higgs_density_warmup_iters,
+        min_param_numel=args.higgs_min_param_numel,
+        min_bucket_numel=args.higgs_min_bucket_numel,
+        sync=args.higgs_sync,
+    )
+    try:
+        return HiggsConfig(**values)
+    except ValueError as error:
+        field = str(error).split(" ", 1)[0]
+        raise ValueError(f"{_FLAG_OF_FIELD.get(field, field)}: {error}") from None

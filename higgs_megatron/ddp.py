@@ -1,0 +1,318 @@
+"""HiggsDDP: Megatron's DistributedDataParallel with a compressed data-parallel gradient sync.
+
+Where it plugs in. Megatron's DDP keeps gradients in flat buckets, grouped into
+``_ParamAndGradBucketGroup``s. On the last micro-batch, a backward hook marks each param
+ready; when a group is complete, ``start_grad_sync`` launches its collective (while the
+rest of backward runs), and ``finalize_model_grads`` later calls ``finish_grad_sync``.
+``HiggsDDP`` builds everything exactly as Megatron does, then changes the class of each
+bucket group to ``HiggsBucketGroup``, which overrides only ``start_grad_sync`` (its
+``finish_grad_sync`` is Megatron's: it waits on the handle we leave, whose ``wait`` also
+decompresses). Object identity, the optimizer's view of the buffers and
+``isinstance(model, DistributedDataParallel)`` are untouched.
+
+Per bucket group, per step (once, on the accumulated gradient, never per micro-batch):
+
+1. Megatron's scaling (``gradient_scaling_factor``) and NaN checks, as before.
+2. For each bucket, a path: *dense* (Megatron's own all-reduce, or reduce-scatter with
+   the distributed optimizer) or *sparse* (``compress.compressor`` -> ``reduce.sparse_allreduce``).
+   The path depends only on the config, the bucket size and the step, so every DP peer
+   issues the same collectives in the same order with the same sizes.
+3. With error feedback, ``acc = grad + residual`` on both paths; the residual left for the
+   next step is staged, and commits when the next step starts unless the step is rolled
+   back (``rollback_residuals``: every rank skipped it).
+4. The collectives are asynchronous when ``overlap_grad_reduce`` is on; the handle's
+   ``wait`` finishes them and writes the summed gradient into the bucket.
+
+Invariants kept: without the distributed optimizer every ``main_grad`` holds the DP-reduced
+gradient, identical on all DP ranks; with it at least this rank's shard does (the sparse
+path reduces the whole bucket). TP-replicated params are selected apart from TP-sharded
+ones (``compress.plan``). Expert-parallel buckets and several distributed-optimizer
+instances are refused at construction.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
+
+from .compress.compressor import compress
+from .compress.error_feedback import ResidualBuffer
+from .compress.plan import BucketPlan, ParamSlot
+from .compress.selection import Selector, make_selector
+from .config import HiggsConfig
+from .reduce.sparse_allreduce import PendingSparseReduce, launch_sparse_allreduce
+
+
+def dense_bytes_per_step(model: DistributedDataParallel) -> int:
+    """Bytes Megatron's dense reduction hands to collectives per step: every gradient bucket."""
+    return sum(bucket.grad_data.numel() * bucket.grad_data.element_size()
+               for group in model.bucket_groups + model.expert_parallel_bucket_groups for bucket in group.buckets)
+
+
+class HiggsConfigurationError(ValueError):
+    """A model or DDP setting that the compressed sync does not support."""
+
+
+@dataclass
+class SyncStats:
+    """Totals since the last ``HiggsDDP.take_stats()``."""
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    compress_seconds: float = 0.0
+    sparse_buckets: int = 0
+    dense_buckets: int = 0
+    density: float = 1.0
+
+    def add(self, other: "SyncStats") -> None:
+        self.bytes_sent += other.bytes_sent
+        self.dense_bytes += other.dense_bytes
+        self.compress_seconds += other.compress_seconds
+        self.sparse_buckets += other.sparse_buckets
+        self.dense_buckets += other.dense_buckets
+        self.density = other.density
+
+
+@dataclass
+class _Shared:
+    """State shared by all bucket groups of one HiggsDDP."""
+
+    config: HiggsConfig
+    selector: Selector | None
+    tensor_parallel_size: int
+    stats: SyncStats = field(default_factory=SyncStats)
+    trace: list[tuple[str, int]] | None = None
+    check_nonfinite: bool = False
+
+
+class _GroupHandle:
+    """What ``grad_reduce_handle`` holds: dense works and sparse gathers in flight."""
+
+    def __init__(self, dense_works: list[Any], sparse: list[PendingSparseReduce], average_over: int,
+                 on_done) -> None:
+        self.dense_works = dense_works
+        self.sparse = sparse
+        self.average_over = average_over
+        self.on_done = on_done
+
+    def wait(self) -> None:
+        for work in self.dense_works:
+            if work is not None:
+                work.wait()
+        for pending in self.sparse:
+            pending.finish()
+            if self.average_over > 1:
+                pending.target.div_(self.average_over)
+        self.dense_works, self.sparse = [], []
+        self.on_done()
+
+
+class HiggsBucketGroup(_ParamAndGradBucketGroup):
+    """A Megatron bucket group whose grad sync goes through the compressed path."""
+
+    higgs: _Shared
+    higgs_index: int
+    higgs_plans: list[BucketPlan | None]
+    higgs_residuals: list[ResidualBuffer | None]
+    higgs_steps: int
+    higgs_saw_nonfinite: bool
+
+    def _higgs_attach(self, shared: _Shared, index: int) -> None:
+        self.higgs = shared
+        self.higgs_index = index
+        self.higgs_steps = 0
+        self.higgs_saw_nonfinite = False
+        config = shared.config
+        self.higgs_plans, self.higgs_residuals = [], []
+        for bucket in self.buckets:
+            compressible = (config.compressor != "none" and config.sync != "dense"
+                            and bucket.grad_data.numel() >= config.min_bucket_numel)
+            if not compressible:
+                self.higgs_plans.append(None)
+                self.higgs_residuals.append(None)
+                continue
+            slots = [ParamSlot(start, end, bool(getattr(param, "tensor_model_parallel", False)))
+                     for param, (start, end) in bucket.param_to_index.items()]
+            self.higgs_plans.append(BucketPlan(bucket.grad_data.numel(), slots, config.min_param_numel,
+                                               shared.tensor_parallel_size, bucket.grad_data.device))
+            self.higgs_residuals.append(
+                ResidualBuffer(bucket.grad_data.numel(), bucket.grad_data.dtype, bucket.grad_data.device)
+                if config.error_feedback else None)
+
+    @property
+    def _communication_group(self) -> dist.ProcessGroup:
+        if self.ddp_config.use_distributed_optimizer:
+            return self.intra_distributed_optimizer_instance_group
+        return self.data_parallel_group
+
+    def _sparse_payload(self, plan: BucketPlan | None, density: float, grad: torch.Tensor) -> int | None:
+        """Payload bytes for this bucket this step, or None when the bucket goes dense."""
+        if plan is None:
+            return None
+        size = plan.payload_bytes(density, grad.dtype)
+        if self.higgs.config.sync == "auto" and size >= grad.numel() * grad.element_size():
+            return None
+        return size
+
+    def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return  # Megatron's first-batch re-entry: already launched
+        assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+        if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
+            self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
+                             check_for_large=self.ddp_config.check_for_large_grads)
+        shared = self.higgs
+        if shared.trace is not None:
+            shared.trace.append(("start", self.higgs_index))
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
+        if shared.check_nonfinite:
+            self.higgs_saw_nonfinite = any(not bool(torch.isfinite(b.grad_data).all()) for b in self.buckets)
+
+        group = self._communication_group
+        async_op = self.ddp_config.overlap_grad_reduce
+        average = self.ddp_config.average_in_collective
+        reduce_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        density = shared.config.density(self.higgs_steps)
+        stats = SyncStats(density=density)
+        dense_works, sparse = [], []
+        for idx, bucket in enumerate(self.buckets):
+            grad = bucket.grad_data
+            residual = self.higgs_residuals[idx]
+            size = None if force_all_reduce else self._sparse_payload(self.higgs_plans[idx], density, grad)
+            stats.dense_bytes += grad.numel() * grad.element_size()
+            started = time.perf_counter()
+            if residual is not None:
+                residual.accumulate(grad)
+            if size is None:
+                if residual is not None:
+                    residual.stage_all_sent()
+                stats.compress_seconds += time.perf_counter() - started
+                stats.bytes_sent += grad.numel() * grad.element_size()
+                stats.dense_buckets += 1
+                dense_works.append(self._launch_dense(idx, grad, reduce_op, group, async_op, force_all_reduce))
+                continue
+            plan = self.higgs_plans[idx]
+            sparse_grad = compress(grad, plan, density, shared.selector, key=(self.higgs_index, idx))
+            if residual is not None:
+                residual.stage(grad, sparse_grad.sent)
+            stats.compress_seconds += time.perf_counter() - started
+            stats.bytes_sent += size
+            stats.sparse_buckets += 1
+            sparse.append(launch_sparse_allreduce(plan.always_positions, sparse_grad.always, sparse_grad.positions,
+                                                  sparse_grad.values, grad, group, async_op=async_op))
+        self.higgs_steps += 1
+        shared.stats.add(stats)
+        handle = _GroupHandle(dense_works, sparse, dist.get_world_size(group) if average else 1,
+                              on_done=self._on_sync_done)
+        if async_op:
+            self.grad_reduce_handle = handle
+        else:
+            handle.wait()
+            self.grad_reduce_handle = None
+
+    def _on_sync_done(self) -> None:
+        if self.higgs.trace is not None:
+            self.higgs.trace.append(("finish", self.higgs_index))
+
+    def _launch_dense(self, idx: int, grad: torch.Tensor, reduce_op, group, async_op: bool,
+                      force_all_reduce: bool | None):
+        """Megatron's own collective for one bucket (reduce-scatter into this rank's shard
+        with the distributed optimizer, else all-reduce)."""
+        if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
+            if self.cached_grad_buffer_shard_list[idx] is None:
+                self.cached_grad_buffer_shard_list[idx] = shard_buffer(
+                    grad, self.intra_distributed_optimizer_instance_size)
+            local = self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
+            return dist.reduce_scatter_tensor(local, grad, op=reduce_op, group=group, async_op=async_op)
+        return dist.all_reduce(grad, op=reduce_op, group=group, async_op=async_op)
+
+
+class HiggsDDP(DistributedDataParallel):
+    """Megatron DDP whose data-parallel gradient reduction is top-k with error feedback."""
+
+    def __init__(self, config, ddp_config, module: torch.nn.Module, higgs_config: HiggsConfig | None = None,
+                 **kwargs) -> None:
+        if ddp_config.num_distributed_optimizer_instances > 1:
+            raise HiggsConfigurationError(
+                "HiggsDDP supports one distributed-optimizer instance; "
+                f"got num_distributed_optimizer_instances={ddp_config.num_distributed_optimizer_instances}")
+        if ddp_config.use_megatron_fsdp or ddp_config.use_custom_fsdp:
+            raise HiggsConfigurationError("HiggsDDP replaces DDP's reduction; Megatron FSDP is not supported")
+        super().__init__(config, ddp_config, module, **kwargs)
+        if self.expert_parallel_bucket_groups:
+            raise HiggsConfigurationError(
+                "HiggsDDP does not compress expert-parallel gradients yet: the model has "
+                f"{len(self.expert_parallel_bucket_groups)} expert-parallel bucket group(s) (num_moe_experts set); "
+                "train MoE models with Megatron's DistributedDataParallel")
+        self.higgs_config = higgs_config or HiggsConfig()
+        selector = None if self.higgs_config.compressor == "none" else make_selector(
+            self.higgs_config.compressor, seed=dist.get_rank())
+        self._higgs = _Shared(config=self.higgs_config, selector=selector,
+                              tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size())
+        for index, group in enumerate(self.bucket_groups):
+            group.__class__ = HiggsBucketGroup
+            group._higgs_attach(self._higgs, index)
+
+    # --- what the loop, the optimizer wrapper and the tests ask of it -----------------
+
+    @property
+    def selector(self) -> Selector | None:
+        return self._higgs.selector
+
+    def take_stats(self) -> SyncStats:
+        """Bytes and compression time since the last call (call once per step)."""
+        stats, self._higgs.stats = self._higgs.stats, SyncStats(density=self._higgs.stats.density)
+        return stats
+
+    def trace_sync_order(self, enabled: bool = True) -> list[tuple[str, int]] | None:
+        """Record ('start'|'finish', group index) events from now on; returns the live list."""
+        self._higgs.trace = [] if enabled else None
+        return self._higgs.trace
+
+    def track_nonfinite(self, enabled: bool = True) -> None:
+        self._higgs.check_nonfinite = enabled
+
+    def saw_nonfinite(self) -> bool:
+        """Whether this rank's local gradients had a NaN/inf in the last sync."""
+        return any(g.higgs_saw_nonfinite for g in self.bucket_groups)
+
+    def rollback_residuals(self) -> None:
+        """Forget the residuals staged by the last sync (the step was skipped everywhere)."""
+        for residual in self._residual_buffers().values():
+            residual.rollback()
+        for group in self.bucket_groups:
+            group.higgs_steps = max(0, group.higgs_steps - 1)
+
+    def _residual_buffers(self) -> dict[str, ResidualBuffer]:
+        return {f"group{g.higgs_index}.bucket{i}": residual
+                for g in self.bucket_groups for i, residual in enumerate(g.higgs_residuals)
+                if residual is not None}
+
+    def residual_state(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residuals (what a resumed run must start from)."""
+        state = {name: residual.current.clone() for name, residual in self._residual_buffers().items()}
+        state["steps"] = torch.tensor([g.higgs_steps for g in self.bucket_groups], dtype=torch.long)
+        return state
+
+    def load_residual_state(self, state: dict[str, torch.Tensor]) -> None:
+        buffers = self._residual_buffers()
+        missing = sorted(set(buffers) - set(state))
+        if missing:
+            raise KeyError(f"error-feedback state lacks residual(s) {missing}")
+        for name, residual in buffers.items():
+            if state[name].numel() != residual.committed.numel():
+                raise ValueError(f"error-feedback residual {name}: saved {state[name].numel()} elements, "
+                                 f"this model's bucket has {residual.committed.numel()}")
+            residual.load(state[name].to(residual.committed.device))
+        for group, steps in zip(self.bucket_groups, state["steps"].tolist()):
+            group.higgs_steps = steps

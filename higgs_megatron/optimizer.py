@@ -1,0 +1,122 @@
+"""wrap_optimizer: a Megatron optimizer that knows about HiggsDDP's error-feedback state.
+
+``HiggsOptimizer`` delegates every call to the Megatron optimizer it wraps
+(``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``,
+``ChainedOptimizer``) and adds two things:
+
+* **State.** ``state_dict()`` returns ``{"optimizer": <wrapped state>, "higgs_residuals":
+  [per model chunk]}``; ``sharded_state_dict()`` adds each rank's residuals as per-rank
+  ``ShardedObject``s (never in the common part, which only rank 0 writes); the load
+  methods restore them. Residuals are per rank: they belong to this rank's gradients.
+* **Skipping a step together.** Before stepping, every rank contributes whether its local
+  gradients held a NaN/inf (HiggsDDP records it during the sync) to a MAX all-reduce over
+  the default group. If any rank saw one, every rank skips: no optimizer update, gradients
+  zeroed, the residuals staged by this step rolled back, and ``step()`` returns
+  ``(False, None, None)`` everywhere (a partial skip would hang the distributed
+  optimizer's parameter all-gather). ``on_skip`` callbacks hear of it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer import MegatronOptimizer
+
+from .ddp import HiggsDDP
+
+_DELEGATED = (
+    "get_parameters", "get_main_grads_for_grad_norm", "get_grad_stats_parallel_group", "prepare_grads",
+    "step_with_ready_grads", "get_grad_norm", "clip_grad_norm", "count_zeros", "zero_grad", "get_loss_scale",
+    "scale_loss", "reload_model_params", "offload_to_cpu", "restore_from_cpu",
+)
+
+
+class HiggsOptimizer(MegatronOptimizer):
+    """A delegating MegatronOptimizer; see the module docstring."""
+
+    def __init__(self, optimizer: MegatronOptimizer, model_chunks: list[HiggsDDP]) -> None:
+        # MegatronOptimizer.__init__ is not called: all state lives in the wrapped optimizer.
+        self.inner = optimizer
+        self.model_chunks = [m for m in model_chunks if isinstance(m, HiggsDDP)]
+        self.skipped_steps = 0
+        self.on_skip: list[Callable[[], None]] = []
+        for chunk in self.model_chunks:
+            chunk.track_nonfinite(True)
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not yet set (during unpickling)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    state = property(lambda self: self.inner.state, lambda self, value: setattr(self.inner, "state", value))
+    param_groups = property(lambda self: self.inner.param_groups,
+                            lambda self, value: setattr(self.inner, "param_groups", value))
+
+    def _any_rank_nonfinite(self) -> bool:
+        local = any(chunk.saw_nonfinite() for chunk in self.model_chunks)
+        flag = torch.tensor([1.0 if local else 0.0])
+        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    @torch.no_grad()
+    def step(self):
+        if self._any_rank_nonfinite():
+            for chunk in self.model_chunks:
+                chunk.rollback_residuals()
+                chunk.zero_grad_buffer()
+            self.inner.zero_grad()
+            self.skipped_steps += 1
+            for callback in self.on_skip:
+                callback()
+            return False, None, None
+        return self.inner.step()
+
+    def state_dict(self):
+        return {"optimizer": self.inner.state_dict(),
+                "higgs_residuals": [chunk.residual_state() for chunk in self.model_chunks]}
+
+    def load_state_dict(self, state_dict):
+        if "higgs_residuals" not in state_dict:
+            raise KeyError("optimizer state has no 'higgs_residuals': it was not saved by HiggsOptimizer")
+        self.inner.load_state_dict(state_dict["optimizer"])
+        for chunk, residuals in zip(self.model_chunks, state_dict["higgs_residuals"]):
+            chunk.load_residual_state(residuals)
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        state = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        state["higgs_residuals"] = [
+            ShardedObject(f"higgs.residuals.chunk{i}", chunk.residual_state(), (world,), (rank,), replica_id=0)
+            for i, chunk in enumerate(self.model_chunks)
+        ]
+        return state
+
+    def load_higgs_residuals(self, loaded: list) -> None:
+        """Restore residuals from what ``dist_checkpointing.load`` returned for them."""
+        for chunk, residuals in zip(self.model_chunks, loaded):
+            chunk.load_residual_state(residuals.data if isinstance(residuals, ShardedObject) else residuals)
+
+
+def _delegate(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"Delegates to the wrapped optimizer's ``{name}``."
+    return method
+
+
+for _name in _DELEGATED:
+    setattr(HiggsOptimizer, _name, _delegate(_name))
+HiggsOptimizer.__abstractmethods__ = frozenset()
+
+
+def wrap_optimizer(optimizer: MegatronOptimizer, model_chunks: list) -> HiggsOptimizer:
+    """Wrap a Megatron optimizer for HiggsDDP model chunks (see the module docstring)."""
+    return HiggsOptimizer(optimizer, model_chunks)

@@ -1,0 +1,74 @@
+"""Sparse all-reduce by all-gather: every DP peer sends k (position, value) pairs, all sum them.
+
+Protocol, per bucket and step (all peers of ``group`` take part, in the same order):
+
+1. ``pack``: the values of the always-sent coordinates (their positions are known to every
+   peer), then the k selected positions as int32, then their values, end to end in one
+   uint8 buffer; both counts are the same on every peer.
+2. ``all_gather_into_tensor`` of that buffer, asynchronously: the call returns at once and
+   the gather runs while backward goes on.
+3. ``finish`` (after ``wait``): zero the bucket, then for each peer in rank order
+   ``index_add_`` its always-sent values and its selected values at their positions. Within one peer's payload positions are
+   distinct, and every peer adds the same payloads in the same order, so the result is
+   bitwise identical on every peer (no atomics, no order dependence).
+
+On failure: ``wait`` raises what the collective raised; the bucket is left as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def pack(always: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return torch.cat([always.contiguous().view(torch.uint8), positions.to(torch.int32).view(torch.uint8),
+                      values.contiguous().view(torch.uint8)])
+
+
+def unpack(buffer: torch.Tensor, n_always: int, k: int, dtype: torch.dtype):
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    a, p = n_always * itemsize, n_always * itemsize + 4 * k
+    return buffer[:a].view(dtype), buffer[a:p].view(torch.int32), buffer[p:].view(dtype)
+
+
+@dataclass
+class PendingSparseReduce:
+    """An all-gather in flight; ``finish`` writes the summed gradient into ``target``."""
+
+    work: object
+    gathered: torch.Tensor
+    world: int
+    always_positions: torch.Tensor
+    k: int
+    target: torch.Tensor
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def finish(self) -> None:
+        self.wait()
+        per_peer = self.gathered.view(self.world, -1)
+        self.target.zero_()
+        for peer in range(self.world):
+            always, positions, values = unpack(per_peer[peer], self.always_positions.numel(), self.k,
+                                               self.target.dtype)
+            if always.numel():
+                self.target.index_add_(0, self.always_positions, always)
+            self.target.index_add_(0, positions.long(), values)
+
+
+def launch_sparse_allreduce(always_positions: torch.Tensor, always: torch.Tensor, positions: torch.Tensor,
+                            values: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup,
+                            async_op: bool = True) -> PendingSparseReduce:
+    """Start the gather; the caller later calls ``finish()`` on what this returns."""
+    world = dist.get_world_size(group)
+    payload = pack(always, positions, values)
+    gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
+    work = dist.all_gather_into_tensor(gathered, payload, group=group, async_op=async_op)
+    return PendingSparseReduce(work=work if async_op else None, gathered=gathered, world=world,
+                               always_positions=always_positions, k=positions.numel(), target=target)
