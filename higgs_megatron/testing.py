@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -44,7 +45,9 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], queue: 
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
-        queue.put((rank, True, fn(*args)))
+        # Plain pickle, not the queue's ForkingPickler: that would pass tensors through shared
+        # memory handles that die with this process.
+        queue.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         queue.put((rank, False, traceback.format_exc()))
 
@@ -83,7 +86,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
                 continue
             if not ok:
                 raise RankFailure(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for proc in procs:
             proc.join(timeout=10 if len(results) == world_size else 0)

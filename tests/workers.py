@@ -2,9 +2,179 @@
 
 from __future__ import annotations
 
+import copy
+
+import torch
+
 
 def pretrain_on_rank(argv: list[str]):
     """Train with the pretrain script's flags; return this rank's history."""
     from higgs_megatron.training.loop import pretrain
 
     return pretrain(argv)
+
+
+def coordinates() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank()}
+
+
+def parameters(trainer) -> dict[str, torch.Tensor]:
+    return {f"{i}.{name}": p.detach().clone() for i, chunk in enumerate(trainer.model)
+            for name, p in chunk.module.named_parameters()}
+
+
+def train_variants(variants: dict[str, list[str]]) -> dict:
+    """Train each variant in turn in one set of process groups; return final params per variant.
+
+    All variants must share the parallel layout (the groups are made once)."""
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    parsed = {name: parse_args(argv) for name, argv in variants.items()}
+    out = {"coords": None, "params": {}, "losses": {}}
+    with training_environment(next(iter(parsed.values()))):
+        out["coords"] = coordinates()
+        for name, args in parsed.items():
+            trainer = Trainer(args)
+            result = trainer.train()
+            out["params"][name] = parameters(trainer)
+            out["losses"][name] = result.losses
+            trainer.close()
+    return out
+
+
+def sparse_sync_invariants(argv: list[str]) -> dict:
+    """Train at low density, recording each compression and the sync order; check per rank
+    that sent + residual == accumulated gradient, and report params, bytes and the trace."""
+    import higgs_megatron.ddp as higgs_ddp
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    args = parse_args(argv)
+    records = []
+    original_compress, original_backward = higgs_ddp.compress, schedules.backward_step
+
+    def recording_compress(acc, plan, density, selector, key=None):
+        accumulated = acc.clone()
+        sparse = original_compress(acc, plan, density, selector, key=key)
+        records.append((key, accumulated, sparse, plan, density))
+        return sparse
+
+    with training_environment(args):
+        trainer = Trainer(args)
+        ddp = trainer.model[0]
+        trace = ddp.trace_sync_order()
+
+        def traced_backward(*a, **k):
+            out = original_backward(*a, **k)
+            trace.append(("backward_end", -1))
+            return out
+
+        original_step = trainer.train_step
+
+        def traced_step():
+            trace.append(("step", trainer.iteration + 1))
+            return original_step()
+
+        higgs_ddp.compress, schedules.backward_step = recording_compress, traced_backward
+        trainer.train_step = traced_step
+        try:
+            trainer.train()
+        finally:
+            higgs_ddp.compress, schedules.backward_step = original_compress, original_backward
+        # sent + residual == accumulated, for the last step's buckets
+        last = {}
+        for key, accumulated, sparse, plan, density in records:
+            last[key] = (accumulated, sparse, plan, density)
+        conservation = []
+        byte_ratios = []
+        for (group, bucket), (accumulated, sparse, plan, density) in last.items():
+            residual = ddp.bucket_groups[group].higgs_residuals[bucket].current
+            sent = torch.zeros_like(accumulated)
+            sent[plan.always_positions] = sparse.always
+            sent.index_add_(0, sparse.positions, sparse.values)
+            conservation.append(bool(torch.equal(sent + residual, accumulated)))
+            # Bytes handed to the collective against the dense bucket, over the selected part
+            # (the always-sent small parameters travel dense by design).
+            itemsize = accumulated.element_size()
+            always_bytes = plan.n_always * itemsize
+            byte_ratios.append((plan.payload_bytes(density, accumulated.dtype) - always_bytes)
+                               / (accumulated.numel() * itemsize - always_bytes))
+        out = {"coords": coordinates(), "params": parameters(trainer), "conservation": conservation,
+               "byte_ratios": byte_ratios, "trace": list(trace), "groups": len(ddp.bucket_groups),
+               "compressions_per_step": len(records) / args.train_iters,
+               "buckets": sum(len(g.buckets) for g in ddp.bucket_groups)}
+        trainer.close()
+    return out
+
+
+def nan_on_one_rank(argv: list[str], bad_rank: int, bad_iteration: int) -> dict:
+    """Put a NaN into one rank's gradients at one iteration; report what every rank did."""
+    import torch.distributed as dist
+
+    from higgs_megatron.ddp import HiggsBucketGroup
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    args = parse_args(argv)
+    with training_environment(args):
+        trainer = Trainer(args)
+        ddp = trainer.model[0]
+        original = HiggsBucketGroup.start_grad_sync
+
+        def poisoned(group, *a, **k):
+            if dist.get_rank() == bad_rank and trainer.iteration + 1 == bad_iteration:
+                group.buckets[0].grad_data[0] = float("nan")
+            return original(group, *a, **k)
+
+        HiggsBucketGroup.start_grad_sync = poisoned
+        history = []
+        try:
+            for _ in range(args.train_iters):
+                before = (parameters(trainer), ddp.residual_state())
+                ok, loss, grad_norm = trainer.train_step()
+                trainer.iteration += 1
+                trainer.consumed_samples += args.global_batch_size
+                after = (parameters(trainer), ddp.residual_state())
+                history.append({
+                    "ok": ok, "loss": loss,
+                    "params_unchanged": all(torch.equal(before[0][n], after[0][n]) for n in before[0]),
+                    "residuals_unchanged": all(torch.equal(before[1][n], after[1][n]) for n in before[1]),
+                })
+        finally:
+            HiggsBucketGroup.start_grad_sync = original
+        out = {"history": history, "skipped": trainer.optimizer.skipped_steps}
+        trainer.close()
+    return out
+
+
+def resume_continuity(argv: list[str], split_at: int) -> dict:
+    """Losses of an uninterrupted run vs one that saves state at ``split_at`` and resumes in a
+    freshly built trainer (state_dict -> load_state_dict, same layout)."""
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    args = parse_args(argv)
+    with training_environment(args):
+        straight = Trainer(args)
+        straight_losses = straight.train().losses
+        straight_params = parameters(straight)
+        straight.close()
+
+        first = Trainer(args)
+        first.args = copy.copy(args)
+        first.args.train_iters = split_at
+        first_losses = first.train().losses
+        state = first.state_dict()
+        first.close()
+        second = Trainer(args)
+        second.load_state_dict(state)
+        second_losses = second.train().losses
+        resumed_params = parameters(second)
+        second.close()
+    return {"straight": straight_losses, "resumed": {**first_losses, **second_losses},
+            "params_equal": all(torch.equal(straight_params[n], resumed_params[n]) for n in straight_params)}

@@ -38,7 +38,7 @@ from .corpus import DataPathError, build_corpus, find_text_files
 from .data import Batch, build_datasets, iteration_batches
 from .metrics import MetricsLogger
 from .model import build_model, build_optimizer, build_scheduler, num_parameters, transformer_config
-from .parallel import destroy_parallel, init_parallel, local_world_size
+from .parallel import destroy_parallel, init_parallel, local_world_size, set_seeds
 
 
 @dataclass
@@ -97,6 +97,7 @@ class Trainer:
                        evaluations=evals)
 
         self.config = transformer_config(args)
+        set_seeds(args.seed)
         if args.use_higgs:
             self.model = build_model(args, self.config, HiggsDDP, higgs_config=args.higgs_config)
             self.optimizer = wrap_optimizer(build_optimizer(args, self.model), self.model)
@@ -320,7 +321,7 @@ def training_environment(args: argparse.Namespace) -> Iterator[None]:
     scope = cpu_megatron() if not torch.cuda.is_available() else contextlib.nullcontext()
     with scope:
         init_parallel(args.distributed_backend, args.tensor_model_parallel_size,
-                      args.pipeline_model_parallel_size, args.seed, args.distributed_timeout_minutes)
+                      args.pipeline_model_parallel_size, args.distributed_timeout_minutes)
         try:
             yield
         finally:

@@ -4,7 +4,8 @@
 project needs: ``torch.distributed`` from the launcher's environment (torchrun sets
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), then
 ``parallel_state.initialize_model_parallel`` with the tensor and pipeline sizes, then the
-model-parallel RNG seeds (distinct per TP rank for dropout, identical across DP ranks).
+model-parallel RNG seeds (distinct per TP rank for dropout, identical across DP ranks),
+which ``set_seeds`` resets before each model is built.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 
 def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                  seed: int, timeout_minutes: float = 10.0) -> None:
+                  timeout_minutes: float = 10.0) -> None:
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -29,6 +30,10 @@ def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
     )
+
+
+def set_seeds(seed: int) -> None:
+    """Seed the default generator and Megatron's model-parallel RNG tracker (reset first)."""
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 

@@ -1,0 +1,109 @@
+"""HiggsDDP against Megatron's own DDP, in real multi-process megatron-core runs over gloo."""
+
+import pytest
+import torch
+
+from higgs_megatron.testing import run_ranks
+from tests.workers import train_variants
+
+# (world size, layout flags); every layout has DP=2 and two micro-batches per step (accumulation).
+LAYOUTS = [
+    pytest.param(2, ["--global-batch-size", "16"], id="dp2"),
+    pytest.param(4, ["--tensor-model-parallel-size", "2", "--global-batch-size", "16"], id="tp2xdp2"),
+    pytest.param(4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"], id="pp2xdp2"),
+]
+DISTOPT = pytest.mark.parametrize("distopt", [[], ["--use-distributed-optimizer"]], ids=["adam", "distopt"])
+
+
+def _base(tiny_gpt_args, layout, distopt, iters):
+    return (tiny_gpt_args + layout + distopt
+            + ["--train-iters", str(iters), "--overlap-grad-reduce", "--ddp-bucket-size", "20000"])
+
+
+@DISTOPT
+@pytest.mark.parametrize("world_size,layout", LAYOUTS)
+def test_equals_megatron_ddp_when_dense(world_size, layout, distopt, tiny_gpt_args):
+    base = _base(tiny_gpt_args, layout, distopt, iters=5)
+    variants = {
+        "megatron": base,
+        "none": base + ["--use-higgs", "--higgs-compressor", "none"],
+        "topk-1.0": base + ["--use-higgs", "--higgs-compression-ratio", "1.0", "--higgs-sync", "sparse",
+                            "--higgs-min-bucket-numel", "0"],
+    }
+    for rank_out in run_ranks(train_variants, world_size, args=(variants,), timeout=400):
+        reference = rank_out["params"]["megatron"]
+        for name, value in rank_out["params"]["none"].items():
+            assert torch.equal(value, reference[name]), f"compressor none differs from Megatron DDP at {name}"
+        for name, value in rank_out["params"]["topk-1.0"].items():
+            torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-6 * reference[name].abs().max().item(),
+                                       msg=lambda m: f"top-k at density 1.0 differs at {name}: {m}")
+        assert rank_out["losses"]["megatron"] == rank_out["losses"]["none"]
+
+
+SPARSE = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0",
+          "--higgs-min-param-numel", "256"]
+
+
+@DISTOPT
+@pytest.mark.parametrize("min_param_numel", ["0", "256"], ids=["all-selected", "small-params-whole"])
+@pytest.mark.parametrize("world_size,layout", LAYOUTS)
+def test_sparse_sync_invariants(world_size, layout, min_param_numel, distopt, tiny_gpt_args):
+    from tests.workers import sparse_sync_invariants
+
+    argv = _base(tiny_gpt_args, layout, distopt, iters=20) + SPARSE + ["--higgs-min-param-numel", min_param_numel]
+    outs = run_ranks(sparse_sync_invariants, world_size, args=(argv,), timeout=400)
+    # All DP replicas hold bitwise-identical parameters.
+    by_model_shard = {}
+    for out in outs:
+        by_model_shard.setdefault((out["coords"]["tp"], out["coords"]["pp"]), []).append(out["params"])
+    for shard, replicas in by_model_shard.items():
+        assert len(replicas) == 2
+        for name, value in replicas[0].items():
+            assert torch.equal(value, replicas[1][name]), f"DP replicas differ at {name} (tp, pp) = {shard}"
+    for out in outs:
+        # Error feedback conserves: what was sent plus what remains is the accumulated gradient.
+        assert out["conservation"] and all(out["conservation"])
+        # Compressed buckets hand at most 1/40 of the dense bytes to the collective.
+        assert max(out["byte_ratios"]) <= 1 / 40, out["byte_ratios"]
+        # Compression happens once per bucket per step, not per micro-batch.
+        assert out["compressions_per_step"] == out["buckets"]
+        # Overlap: in steady state every group but the last launches before backward ends.
+        steps = []
+        for event in out["trace"]:
+            if event[0] == "step":
+                steps.append([])
+            else:
+                steps[-1].append(event[0])
+        if out["coords"]["pp"] > 0:
+            continue  # Megatron's 1F1B schedule syncs later stages in the pipeline bubble, by design
+        assert out["groups"] > 2
+        for events in steps[2:]:
+            last_backward = max(i for i, e in enumerate(events) if e == "backward_end")
+            starts = [i for i, e in enumerate(events) if e == "start"]
+            assert len(starts) == out["groups"]
+            assert sum(i < last_backward for i in starts) >= out["groups"] - 1, events
+
+
+def test_nonfinite_gradient_on_one_rank_skips_everywhere(tiny_gpt_args):
+    from tests.workers import nan_on_one_rank
+
+    argv = tiny_gpt_args + ["--train-iters", "5", "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
+                            "--use-distributed-optimizer"] + SPARSE
+    outs = run_ranks(nan_on_one_rank, 2, args=(argv, 1, 3), timeout=300)
+    for out in outs:
+        assert [h["ok"] for h in out["history"]] == [True, True, False, True, True]
+        skipped = out["history"][2]
+        assert skipped["params_unchanged"] and skipped["residuals_unchanged"]
+        assert not out["history"][3]["params_unchanged"], "training continues after the skip"
+        assert out["skipped"] == 1
+    assert all(h["loss"] == h["loss"] for h in outs[-1]["history"] if h["ok"])  # finite after the skip
+
+
+@pytest.mark.parametrize("world_size,layout", [LAYOUTS[0], LAYOUTS[1]])
+def test_error_feedback_state_survives_state_dict(world_size, layout, tiny_gpt_args):
+    from tests.workers import resume_continuity
+
+    argv = _base(tiny_gpt_args, layout, [], iters=8) + SPARSE
+    for out in run_ranks(resume_continuity, world_size, args=(argv, 4), timeout=400):
+        assert out["resumed"] == out["straight"]
+        assert out["params_equal"]
