@@ -64,3 +64,16 @@ def test_under_torchrun_the_message_appears_once_and_ranks_exit_2():
     assert (proc.stdout + proc.stderr).count(message) == 1
     assert "Traceback (most recent call last)" not in proc.stdout
     assert "exitcode  : 2" in proc.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--use-higgs", "--higgs-compression-ratio", "1.5"], "--higgs-compression-ratio: compression_ratio must be in (0, 1], got 1.5"),
+    (["--use-higgs", "--higgs-compression-ratio", "0"], "--higgs-compression-ratio: compression_ratio must be in (0, 1], got 0.0"),
+    (["--use-higgs", "--higgs-compressor", "powersgd"], "argument --higgs-compressor: invalid choice: 'powersgd'"),
+    (["--use-higgs", "--higgs-density-warmup-iters", "-1"], "--higgs-density-warmup-iters: density_warmup_iters must be 0 or more"),
+    (["--check-weight-hash-across-dp-replicas-interval", "0"], "--check-weight-hash-across-dp-replicas-interval must be positive"),
+])
+def test_bad_higgs_flags_are_named(argv, message):
+    with pytest.raises(UsageError) as info:
+        parse_args(argv, world_size=2)
+    assert message in info.value.message

@@ -34,7 +34,7 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
     from higgs_megatron.training.loop import Trainer, training_environment
 
     parsed = {name: parse_args(argv) for name, argv in variants.items()}
-    out = {"coords": None, "params": {}, "losses": {}}
+    out = {"coords": None, "params": {}, "losses": {}, "valid_losses": {}}
     with training_environment(next(iter(parsed.values()))):
         out["coords"] = coordinates()
         for name, args in parsed.items():
@@ -42,6 +42,7 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
             result = trainer.train()
             out["params"][name] = parameters(trainer)
             out["losses"][name] = result.losses
+            out["valid_losses"][name] = result.valid_losses
             trainer.close()
     return out
 

@@ -2,9 +2,9 @@
 
 Protocol, per bucket and step (all peers of ``group`` take part, in the same order):
 
-1. ``pack``: the values of the always-sent coordinates (their positions are known to every
-   peer), then the k selected positions as int32, then their values, end to end in one
-   uint8 buffer; both counts are the same on every peer.
+1. ``pack``: the k selected positions as int32, the values of the always-sent coordinates
+   (their positions are known to every peer), then the selected values, end to end in one
+   uint8 buffer padded to 4 bytes; both counts are the same on every peer.
 2. ``all_gather_into_tensor`` of that buffer, asynchronously: the call returns at once and
    the gather runs while backward goes on.
 3. ``finish`` (after ``wait``): zero the bucket, then for each peer in rank order
@@ -24,14 +24,22 @@ import torch.distributed as dist
 
 
 def pack(always: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    return torch.cat([always.contiguous().view(torch.uint8), positions.to(torch.int32).view(torch.uint8),
-                      values.contiguous().view(torch.uint8)])
+    """[int32 positions | always values | selected values | zero padding to 4 bytes]: the
+    positions lead and every payload is a multiple of 4 bytes, so each peer's positions stay
+    4-byte aligned inside the gathered buffer."""
+    parts = [positions.to(torch.int32).view(torch.uint8), always.contiguous().view(torch.uint8),
+             values.contiguous().view(torch.uint8)]
+    size = sum(p.numel() for p in parts)
+    if size % 4:
+        parts.append(torch.zeros(4 - size % 4, dtype=torch.uint8, device=positions.device))
+    return torch.cat(parts)
 
 
 def unpack(buffer: torch.Tensor, n_always: int, k: int, dtype: torch.dtype):
+    """(always values, int32 positions, selected values) from one peer's payload."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    a, p = n_always * itemsize, n_always * itemsize + 4 * k
-    return buffer[:a].view(dtype), buffer[a:p].view(torch.int32), buffer[p:].view(dtype)
+    p, a = 4 * k, 4 * k + n_always * itemsize
+    return buffer[p:a].view(dtype), buffer[:p].view(torch.int32), buffer[a:a + k * itemsize].view(dtype)
 
 
 @dataclass

@@ -1,0 +1,134 @@
+"""Compressors, error feedback and plans: pure tensor code, one process."""
+
+import math
+
+import pytest
+import torch
+
+from higgs_megatron.compress.compressor import compress
+from higgs_megatron.compress.error_feedback import ResidualBuffer
+from higgs_megatron.compress.plan import BucketPlan, ParamSlot
+from higgs_megatron.compress.selection import SampledTopK, TopK
+from higgs_megatron.config import HiggsConfig
+from higgs_megatron.reduce.sparse_allreduce import pack, unpack
+
+
+def _heavy_tailed(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+
+
+def test_topk_is_exact():
+    x = _heavy_tailed(10_000)
+    positions, valid = TopK().select(x.abs(), 100)
+    assert valid == 100
+    assert set(positions.tolist()) == set(torch.topk(x.abs(), 100).indices.tolist())
+
+
+def test_sampled_topk_is_exact_when_it_finds_enough_and_counts_its_shortfall():
+    selector = SampledTopK(seed=1)
+    for step in range(20):
+        x = _heavy_tailed(200_000, seed=step).abs()
+        k = 2_000
+        positions, valid = selector.select(x, k, key="bucket")
+        assert positions.numel() == k and valid <= k
+        exact = set(torch.topk(x, k).indices.tolist())
+        found = set(positions[:valid].tolist())
+        assert found <= exact or valid < k
+        if valid == k:
+            assert found == exact
+    stats = selector.stats
+    assert stats.calls == 20
+    assert stats.shortfall < 0.01, stats  # measured: the sampled threshold almost never falls short
+
+
+def test_sampled_topk_pads_a_short_selection_with_a_real_position():
+    selector = SampledTopK(seed=0)
+    x = torch.zeros(100_000)
+    x[:10] = torch.arange(1, 11, dtype=torch.float)
+    selector.thresholds["b"] = 5.0  # a stale threshold that finds only 6 coordinates
+    positions, valid = selector.select(x, 1000, key="b")
+    assert positions.numel() == 1000
+    assert valid == 1000 or set(positions[valid:].tolist()) <= set(positions[:valid].tolist())
+
+
+def _plan(tp_size=1):
+    # bucket: a small bias (100), a TP-sharded weight (5000), a TP-replicated weight (3000)
+    slots = [ParamSlot(0, 100, True), ParamSlot(100, 5100, True), ParamSlot(5100, 8100, False)]
+    return BucketPlan(8100, slots, min_param_numel=1024, tensor_parallel_size=tp_size, device=torch.device("cpu"))
+
+
+def test_plan_parts_and_fixed_k():
+    plan = _plan(tp_size=2)
+    assert plan.n_always == 100
+    assert plan.replicated_positions.numel() == 3000
+    assert plan.main_numel == 5000
+    assert plan.k_selected(0.01) == math.ceil(30) + math.ceil(50)
+    assert plan.payload_bytes(0.01, torch.float32) == 100 * 4 + 80 * 8
+    assert _plan(tp_size=1).replicated_positions.numel() == 0  # no TP: one selection
+
+
+def test_compress_sends_always_part_and_conserves_with_error_feedback():
+    plan = _plan(tp_size=2)
+    residual = ResidualBuffer(8100, torch.float32, torch.device("cpu"))
+    residual.committed.copy_(_heavy_tailed(8100, seed=5) * 0.1)
+    grad = _heavy_tailed(8100, seed=6)
+    acc_expected = grad + residual.committed
+    residual.accumulate(grad)  # grad is now acc
+    assert torch.equal(grad, acc_expected)
+    sparse = compress(grad, plan, 0.01, TopK(), key=0)
+    assert torch.equal(sparse.always, grad[:100])
+    assert sparse.positions.numel() == plan.k_selected(0.01)
+    assert not set(sparse.positions.tolist()) & set(range(100)), "always-sent positions are not selected"
+    assert pack(sparse.always, sparse.positions, sparse.values).numel() == plan.payload_bytes(0.01, torch.float32)
+    residual.stage(grad, sparse.sent)
+    sent = torch.zeros(8100)
+    sent[plan.always_positions] = sparse.always
+    sent.index_add_(0, sparse.positions, sparse.values)
+    assert torch.equal(sent + residual.current, acc_expected)
+
+
+def test_replicated_part_selection_depends_only_on_replicated_values():
+    """Two TP ranks: same replicated gradients, different sharded ones -> same replicated picks."""
+    plan = _plan(tp_size=2)
+    a, b = _heavy_tailed(8100, seed=1), _heavy_tailed(8100, seed=2)
+    b[5100:] = a[5100:]
+    picks = []
+    for acc in (a, b):
+        positions = compress(acc.clone(), plan, 0.01, TopK()).positions
+        picks.append(sorted(p for p in positions.tolist() if p >= 5100))
+    assert picks[0] == picks[1] and len(picks[0]) == 30
+
+
+def test_residual_rollback_restores_the_committed_state():
+    residual = ResidualBuffer(10, torch.float32, torch.device("cpu"))
+    residual.committed.fill_(1.0)
+    grad = torch.full((10,), 2.0)
+    residual.accumulate(grad)
+    residual.stage(grad, torch.tensor([0, 1]))
+    assert residual.current[:2].tolist() == [0.0, 0.0] and residual.current[2].item() == 3.0
+    residual.rollback()
+    assert torch.equal(residual.current, torch.ones(10))
+    residual.accumulate(torch.zeros(10))  # a rolled-back stage never commits
+    assert torch.equal(residual.committed, torch.ones(10))
+
+
+def test_pack_round_trip_bf16_and_fp32():
+    for dtype in (torch.float32, torch.bfloat16):
+        always = torch.randn(7).to(dtype)
+        positions = torch.tensor([3, 99, 12345], dtype=torch.long)
+        values = torch.randn(3).to(dtype)
+        a, p, v = unpack(pack(always, positions, values), 7, 3, dtype)
+        assert torch.equal(a, always) and torch.equal(p.long(), positions) and torch.equal(v, values)
+
+
+def test_config_validation_and_density_warmup():
+    with pytest.raises(ValueError, match=r"compression_ratio must be in \(0, 1\]"):
+        HiggsConfig(compression_ratio=0.0)
+    with pytest.raises(ValueError, match="compressor must be one of"):
+        HiggsConfig(compressor="powersgd")
+    config = HiggsConfig(compression_ratio=0.01, density_warmup_iters=4)
+    densities = [config.density(step) for step in range(6)]
+    assert densities[0] == 1.0 and densities[4] == densities[5] == 0.01
+    assert all(a > b for a, b in zip(densities[:4], densities[1:5]))
+    assert densities[2] == pytest.approx(0.1)
