@@ -25,8 +25,8 @@ Per bucket group, per step (once, on the accumulated gradient, never per micro-b
 
 Invariants kept: without the distributed optimizer every ``main_grad`` holds the DP-reduced
 gradient, identical on all DP ranks; with it at least this rank's shard does (the sparse
-path reduces the whole bucket). TP-replicated params are selected apart from TP-sharded
-ones (``compress.plan``). Expert-parallel buckets and several distributed-optimizer
+path reduces the whole bucket). Each parameter is selected on its own, which keeps TP-replicated
+params identical across TP ranks (``compress.plan``). Expert-parallel buckets and several distributed-optimizer
 instances are refused at construction.
 """
 
@@ -39,7 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
@@ -87,7 +86,6 @@ class _Shared:
 
     config: HiggsConfig
     selector: Selector | None
-    tensor_parallel_size: int
     stats: SyncStats = field(default_factory=SyncStats)
     trace: list[tuple[str, int]] | None = None
     check_nonfinite: bool = False
@@ -115,6 +113,15 @@ class _GroupHandle:
         self.on_done()
 
 
+def _slot_in_bucket(param: torch.nn.Parameter, grad_data: torch.Tensor) -> ParamSlot:
+    """Where ``param.main_grad`` sits in its bucket. Not ``bucket.param_to_index``: that
+    counts params end to end, while the buffer pads each param's start for the distributed
+    optimizer; the view's storage offset is the truth."""
+    start = param.main_grad.storage_offset() - grad_data.storage_offset()
+    assert 0 <= start and start + param.numel() <= grad_data.numel(), "main_grad is not a view into its bucket"
+    return ParamSlot(start, start + param.numel())
+
+
 class HiggsBucketGroup(_ParamAndGradBucketGroup):
     """A Megatron bucket group whose grad sync goes through the compressed path."""
 
@@ -139,10 +146,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 self.higgs_plans.append(None)
                 self.higgs_residuals.append(None)
                 continue
-            slots = [ParamSlot(start, end, bool(getattr(param, "tensor_model_parallel", False)))
-                     for param, (start, end) in bucket.param_to_index.items()]
+            slots = [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list]
             self.higgs_plans.append(BucketPlan(bucket.grad_data.numel(), slots, config.min_param_numel,
-                                               shared.tensor_parallel_size, bucket.grad_data.device))
+                                               bucket.grad_data.device))
             self.higgs_residuals.append(
                 ResidualBuffer(bucket.grad_data.numel(), bucket.grad_data.dtype, bucket.grad_data.device)
                 if config.error_feedback else None)
@@ -257,8 +263,7 @@ class HiggsDDP(DistributedDataParallel):
         self.higgs_config = higgs_config or HiggsConfig()
         selector = None if self.higgs_config.compressor == "none" else make_selector(
             self.higgs_config.compressor, seed=dist.get_rank())
-        self._higgs = _Shared(config=self.higgs_config, selector=selector,
-                              tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size())
+        self._higgs = _Shared(config=self.higgs_config, selector=selector)
         for index, group in enumerate(self.bucket_groups):
             group.__class__ = HiggsBucketGroup
             group._higgs_attach(self._higgs, index)

@@ -52,24 +52,22 @@ def test_sampled_topk_pads_a_short_selection_with_a_real_position():
     assert valid == 1000 or set(positions[valid:].tolist()) <= set(positions[:valid].tolist())
 
 
-def _plan(tp_size=1):
+def _plan():
     # bucket: a small bias (100), a TP-sharded weight (5000), a TP-replicated weight (3000)
-    slots = [ParamSlot(0, 100, True), ParamSlot(100, 5100, True), ParamSlot(5100, 8100, False)]
-    return BucketPlan(8100, slots, min_param_numel=1024, tensor_parallel_size=tp_size, device=torch.device("cpu"))
+    slots = [ParamSlot(0, 100), ParamSlot(100, 5100), ParamSlot(5100, 8100)]
+    return BucketPlan(8100, slots, min_param_numel=1024, device=torch.device("cpu"))
 
 
 def test_plan_parts_and_fixed_k():
-    plan = _plan(tp_size=2)
+    plan = _plan()
     assert plan.n_always == 100
-    assert plan.replicated_positions.numel() == 3000
-    assert plan.main_numel == 5000
-    assert plan.k_selected(0.01) == math.ceil(30) + math.ceil(50)
+    assert [(u.start, u.end) for u in plan.units] == [(100, 5100), (5100, 8100)]
+    assert plan.k_selected(0.01) == 50 + 30
     assert plan.payload_bytes(0.01, torch.float32) == 100 * 4 + 80 * 8
-    assert _plan(tp_size=1).replicated_positions.numel() == 0  # no TP: one selection
 
 
 def test_compress_sends_always_part_and_conserves_with_error_feedback():
-    plan = _plan(tp_size=2)
+    plan = _plan()
     residual = ResidualBuffer(8100, torch.float32, torch.device("cpu"))
     residual.committed.copy_(_heavy_tailed(8100, seed=5) * 0.1)
     grad = _heavy_tailed(8100, seed=6)
@@ -80,6 +78,8 @@ def test_compress_sends_always_part_and_conserves_with_error_feedback():
     assert torch.equal(sparse.always, grad[:100])
     assert sparse.positions.numel() == plan.k_selected(0.01)
     assert not set(sparse.positions.tolist()) & set(range(100)), "always-sent positions are not selected"
+    # layer-wise: each parameter sends its own share
+    assert sum(100 <= p < 5100 for p in sparse.positions.tolist()) == 50
     assert pack(sparse.always, sparse.positions, sparse.values).numel() == plan.payload_bytes(0.01, torch.float32)
     residual.stage(grad, sparse.sent)
     sent = torch.zeros(8100)
@@ -88,9 +88,9 @@ def test_compress_sends_always_part_and_conserves_with_error_feedback():
     assert torch.equal(sent + residual.current, acc_expected)
 
 
-def test_replicated_part_selection_depends_only_on_replicated_values():
+def test_a_parameters_selection_depends_only_on_its_own_gradient():
     """Two TP ranks: same replicated gradients, different sharded ones -> same replicated picks."""
-    plan = _plan(tp_size=2)
+    plan = _plan()
     a, b = _heavy_tailed(8100, seed=1), _heavy_tailed(8100, seed=2)
     b[5100:] = a[5100:]
     picks = []

@@ -61,3 +61,16 @@ def test_script_under_torchrun_logs_json(tmp_path, tiny_gpt_args):
     assert iterations[-1]["lm_loss"] < iterations[0]["lm_loss"]
     events = {r["event"] for r in records if r["type"] == "event"}
     assert {"corpus_ready", "setup_done", "validation"} <= events
+
+
+def test_own_loop_example_runs_with_three_calls():
+    """The README's three-call example: HiggsDDP and wrap_optimizer in a hand-written loop."""
+    from higgs_megatron.testing import REPO_ROOT
+
+    proc = run_pretrain_script([], nproc=2, script=REPO_ROOT / "examples" / "own_loop.py")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert len(lines) == 3
+    losses = [float(line.split("loss ")[1].split(" ")[0]) for line in lines]
+    assert losses[-1] < losses[0]
+    assert all("of" in line and "dense" in line for line in lines)

@@ -29,27 +29,20 @@ class SparseGrad:
 
 def compress(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,
              key: object = None) -> SparseGrad:
-    magnitudes = acc.abs()
     parts, real = [], [plan.always_positions]
-    k_rep = plan.k_replicated(density)
-    if k_rep:
-        rep = plan.replicated_positions
-        chosen, valid = selector.select(magnitudes[rep], k_rep, key=(key, "replicated"))
-        parts.append(rep[chosen])
-        real.append(rep[chosen[:valid]])
-    k_main = plan.k_main(density)
-    if k_main:
-        for start, end in plan.masked_ranges:
-            magnitudes[start:end] = -1.0
-        chosen, valid = selector.select(magnitudes, k_main, key=(key, "main"))
+    padded = False
+    for unit in plan.units:
+        k = plan.k_unit(unit, density)
+        chosen, valid = selector.select(acc[unit.start:unit.end].abs(), k, key=(key, unit.start))
+        chosen = chosen + unit.start
         parts.append(chosen)
         real.append(chosen[:valid])
+        padded |= valid < k
     positions = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=acc.device)
     values = acc[positions]
-    sent = torch.cat(real)
-    if sent.numel() < plan.always_positions.numel() + positions.numel():  # zero the padding slots
+    if padded:  # zero the padding slots
         offset = 0
         for part, got in zip(parts, real[1:]):
             values[offset + got.numel():offset + part.numel()] = 0
             offset += part.numel()
-    return SparseGrad(always=acc[plan.always_positions], positions=positions, values=values, sent=sent)
+    return SparseGrad(always=acc[plan.always_positions], positions=positions, values=values, sent=torch.cat(real))

@@ -1,0 +1,78 @@
+"""Shared pieces of the benchmark and demo scripts: run the pretrain script, read its metrics.
+
+Each configuration runs as its own ``torchrun`` job of ``examples/pretrain_gpt.py`` with
+``--log-json``; everything reported comes from those JSONL files, so a table is always
+reproducible from the files it names.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_pretrain(flags: Sequence[str], log_json: Path, nproc: int, quiet: bool = False) -> None:
+    """One training job; raises CalledProcessError if it fails."""
+    log_json.parent.mkdir(parents=True, exist_ok=True)
+    log_json.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "examples" / "pretrain_gpt.py"), *flags, "--log-json", str(log_json)]
+    print(f"$ torchrun --nproc_per_node {nproc} examples/pretrain_gpt.py {' '.join(flags)}", flush=True)
+    subprocess.run(command, check=True, cwd=REPO,
+                   stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.DEVNULL if quiet else None)
+
+
+def read_log(log_json: Path) -> tuple[list[dict], list[dict]]:
+    """(iteration records, event records) of one run."""
+    records = [json.loads(line) for line in log_json.read_text().splitlines()]
+    return ([r for r in records if r["type"] == "iteration"], [r for r in records if r["type"] == "event"])
+
+
+def summarize(log_json: Path) -> dict:
+    iterations, events = read_log(log_json)
+    validations = [e for e in events if e["event"] == "validation"]
+    steady = iterations[1:] or iterations  # the first window holds start-up costs
+    return {
+        "iterations": iterations[-1]["iteration"],
+        "final validation loss": validations[-1]["loss"] if validations else float("nan"),
+        "tokens/s": statistics.median(r["tokens_per_second"] for r in steady),
+        "step time (ms)": statistics.median(r["elapsed_time_per_iteration_ms"] for r in steady),
+        "bytes sent per step": statistics.median(r["bytes_sent"] for r in steady),
+        "dense bytes per step": statistics.median(r["dense_bytes"] for r in steady),
+        "compression time (ms)": statistics.median(r.get("compression_time_ms", 0.0) for r in steady),
+    }
+
+
+def validation_curve(log_json: Path) -> list[tuple[int, float]]:
+    _, events = read_log(log_json)
+    return [(e["iteration"], e["loss"]) for e in events if e["event"] == "validation"]
+
+
+def markdown_table(rows: dict[str, dict], columns: Sequence[str], baseline: str | None = None) -> str:
+    """Rows as a markdown table; with ``baseline``, tokens/s also as a ratio to it (``1.62x``)."""
+    head = ["configuration", *columns] + (["tokens/s vs " + baseline] if baseline else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, row in rows.items():
+        cells = [name]
+        for column in columns:
+            value = row[column]
+            if isinstance(value, str):
+                cells.append(value)
+            elif "loss" in column:
+                cells.append(f"{value:.4f}")
+            elif "bytes" in column:
+                cells.append(f"{value / 1e6:.3f} MB")
+            elif isinstance(value, float):
+                cells.append(f"{value:,.1f}")
+            else:
+                cells.append(str(value))
+        if baseline:
+            cells.append(f"{row['tokens/s'] / rows[baseline]['tokens/s']:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
