@@ -109,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads per rank on CPU; default: cores / local ranks")
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (and at the end of training)")
+    g.add_argument("--save-interval", type=int, default=None, metavar="ITERS", help="save every N iterations")
+    g.add_argument("--load", default=None, metavar="DIR", help="resume from the latest committed checkpoint here")
+    g.add_argument("--recovery-mode", choices=("same-sharding", "reshard"), default="same-sharding",
+                   help="same-sharding: refuse a checkpoint saved with another layout; reshard: move to this one")
+    g.add_argument("--checkpoint-version", type=int, default=None, metavar="ITER",
+                   help="load this committed checkpoint instead of the latest")
+    g.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep only the newest N checkpoints")
     add_higgs_args(parser)
     return parser
 
@@ -126,7 +135,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "global_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
               "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads",
-              "check_weight_hash_across_dp_replicas_interval")
+              "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last")
+    if args.save_interval is not None and args.save is None:
+        raise UsageError("--save-interval needs --save DIR")
+    if args.checkpoint_version is not None and args.load is None:
+        raise UsageError("--checkpoint-version needs --load DIR")
+    if args.load is not None and not os.path.isdir(args.load):
+        raise UsageError(f"--load {args.load}: no such directory")
     try:
         args.higgs_config = higgs_config_from_args(args) if args.use_higgs else None
     except ValueError as error:

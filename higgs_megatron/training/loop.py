@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,6 +31,9 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import check_param_hashes_across_dp_replicas, get_model_config
 
+from ..checkpoint.load import load_checkpoint
+from ..checkpoint.manifest import CheckpointError
+from ..checkpoint.save import save_checkpoint
 from ..cpu import cpu_megatron
 from ..ddp import HiggsDDP, dense_bytes_per_step
 from ..optimizer import wrap_optimizer
@@ -127,6 +131,35 @@ class Trainer:
         )
         self.iteration = 0
         self.consumed_samples = 0
+        if args.load:
+            self._load()
+
+    def _load(self) -> None:
+        args = self.args
+        started = time.perf_counter()
+        loaded = load_checkpoint(self, args.load, args.recovery_mode, args.checkpoint_version)
+        if loaded is None:
+            self.log.event("checkpoint_not_found", f" no committed checkpoint in {args.load}: starting from scratch",
+                           path=args.load)
+            return
+        self.log.event("checkpoint_validated", f" rank map of {loaded.path} validated "
+                       f"({'resharded from ' + str(loaded.manifest.layout) if loaded.resharded else 'same sharding'})",
+                       path=str(loaded.path), resharded=loaded.resharded)
+        if loaded.resharded:
+            # Policy: per-rank state (RNG, error-feedback residuals) belongs to the old layout.
+            set_seeds(args.seed + self.iteration)
+            self.log.event("reshard_policy", " resharded: RNG reseeded from --seed + iteration, "
+                           "error-feedback residuals start from zero", iteration=self.iteration)
+        self.log.event("checkpoint_loaded", f" loaded {loaded.path} at iteration {self.iteration} "
+                       f"({time.perf_counter() - started:.2f}s)", path=str(loaded.path), iteration=self.iteration,
+                       consumed_samples=self.consumed_samples, seconds=time.perf_counter() - started)
+
+    def save(self) -> None:
+        self.log.event("save_started", iteration=self.iteration)
+        result = save_checkpoint(self, self.args.save, self.args.keep_last)
+        self.log.event("checkpoint_committed", f" saved {result.path} ({result.bytes / 1e6:.1f} MB, "
+                       f"{result.seconds:.2f}s)", path=str(result.path), iteration=self.iteration,
+                       seconds=result.seconds, bytes=result.bytes)
 
     def _wire_megatron_hooks(self) -> None:
         """What Megatron-LM's training.py sets on the model config before its loop."""
@@ -254,6 +287,11 @@ class Trainer:
                     self.log.event("validation", f" validation loss at iteration {self.iteration}: "
                                    f"{valid_loss:.6E}", iteration=self.iteration, loss=valid_loss)
                 window.started = time.perf_counter()
+            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                self.save()
+                window.started = time.perf_counter()
+        if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
+            self.save()
         return result
 
     def state_dict(self) -> dict:
@@ -352,4 +390,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         report_usage_error(error)
         return error.code
+    except CheckpointError as error:
+        if dist_rank_or_launcher() == 0:
+            print(f"checkpoint error: {error}", file=sys.stderr, flush=True)
+        return EXIT_CHECKPOINT
     return 0
+
+
+EXIT_CHECKPOINT = 3
+
+
+def dist_rank_or_launcher() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))

@@ -1,0 +1,118 @@
+"""The rank map: one human-readable JSON file per checkpoint, ``rank_map.json``.
+
+Schema (version 1)::
+
+    {"schema_version": 1, "iteration": 100, "consumed_samples": 800, "created": "...",
+     "layout": {"world_size": 4, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+                "data_parallel_size": 2, "context_parallel_size": 1, "expert_model_parallel_size": 1,
+                "use_distributed_optimizer": true},
+     "ranks": [{"rank": 0, "host": "node-a", "coords": {"tp": 0, "pp": 0, "dp": 0, "cp": 0, "ep": 0},
+                "files": [{"path": "__0_0.distcp", "sha256": "...", "bytes": 123}],
+                "shards": [{"key": "decoder.layers.0.mlp.linear_fc1.weight",
+                            "global_shape": [256, 64], "global_offset": [0, 0], "local_shape": [128, 64]}]}],
+     "higgs": {...} | null, "versions": {"higgs_megatron": "...", "megatron_core": "...", "torch": "..."}}
+
+Files are named relative to the checkpoint directory. ``shards`` lists the tensor shards a
+rank saved as the main replica (replicas are not written twice), so over all ranks they
+tile every saved tensor exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "rank_map.json"
+
+
+class CheckpointError(RuntimeError):
+    """Anything wrong with saving, finding, validating or loading a checkpoint."""
+
+
+@dataclass
+class FileRecord:
+    path: str
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class ShardRecord:
+    key: str
+    global_shape: list[int]
+    global_offset: list[int]
+    local_shape: list[int]
+
+
+@dataclass
+class Layout:
+    world_size: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class RankRecord:
+    rank: int
+    host: str
+    coords: dict[str, int]
+    files: list[FileRecord] = field(default_factory=list)
+    shards: list[ShardRecord] = field(default_factory=list)
+
+
+@dataclass
+class Manifest:
+    iteration: int
+    consumed_samples: int
+    layout: Layout
+    ranks: list[RankRecord]
+    higgs: dict | None
+    versions: dict[str, str]
+    created: str
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = MANIFEST_NAME) -> "Manifest":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise CheckpointError(f"{source}: not valid JSON ({error})") from None
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise CheckpointError(f"{source}: schema version {version!r}, this higgs-megatron reads {SCHEMA_VERSION}")
+        try:
+            ranks = [RankRecord(rank=r["rank"], host=r["host"], coords=r["coords"],
+                                files=[FileRecord(**f) for f in r["files"]],
+                                shards=[ShardRecord(**s) for s in r["shards"]]) for r in raw["ranks"]]
+            return cls(iteration=raw["iteration"], consumed_samples=raw["consumed_samples"],
+                       layout=Layout(**raw["layout"]), ranks=ranks, higgs=raw.get("higgs"),
+                       versions=raw["versions"], created=raw["created"], schema_version=version)
+        except (KeyError, TypeError) as error:
+            raise CheckpointError(f"{source}: missing or malformed field ({error})") from None
+
+    @classmethod
+    def read(cls, checkpoint_dir: str | Path) -> "Manifest":
+        path = Path(checkpoint_dir) / MANIFEST_NAME
+        if not path.exists():
+            raise CheckpointError(f"{path}: no rank map: the checkpoint was never committed")
+        return cls.from_json(path.read_text(), str(path))
+
+    def write(self, checkpoint_dir: str | Path) -> None:
+        """Write atomically (temporary file, fsync, rename)."""
+        path = Path(checkpoint_dir) / MANIFEST_NAME
+        tmp = path.with_suffix(".json.tmp")
+        with open(tmp, "w") as f:
+            f.write(self.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)

@@ -1,0 +1,168 @@
+"""Saving: every rank writes its shard, hashes it, and rank 0 commits the rank map.
+
+Protocol (all ranks call ``save_checkpoint`` at the same iteration):
+
+1. Rank 0 removes leftovers of interrupted saves (``*.tmp``) and makes ``iter_NNNNNNN.tmp``.
+2. Every rank hands its sharded state to ``dist_checkpointing.save`` (torch_dist): its own
+   ``__<rank>_*.distcp`` files; rank 0 also the common files. A write error on any rank is
+   raised on every rank by megatron-core's result exchange.
+3. Every rank hashes the files it wrote and lists the shards it held; an all-gather brings
+   them, with hosts and coordinates, to rank 0, together with a "this rank failed" flag.
+4. Only if no rank failed: rank 0 writes ``rank_map.json`` (atomically), renames the
+   directory to ``iter_NNNNNNN``, then replaces ``latest`` (the iteration, written to a
+   temporary file and renamed): the commit. Then retention removes the oldest committed
+   checkpoints beyond ``keep_last``.
+
+A crash at any point before the commit leaves ``latest`` naming the previous checkpoint;
+the half-written ``.tmp`` directory is never loaded and is removed by the next save.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing, parallel_state
+
+from .. import __version__
+from .manifest import CheckpointError, FileRecord, Layout, Manifest, RankRecord
+from .state import shard_records, sharded_training_state
+from .validation import sha256_of
+
+LATEST = "latest"
+COMMON_FILES = (".metadata", "common.pt", "metadata.json")
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def current_layout(use_distributed_optimizer: bool) -> Layout:
+    return Layout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+
+
+def current_coords() -> dict[str, int]:
+    return {"tp": parallel_state.get_tensor_model_parallel_rank(),
+            "pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp": parallel_state.get_data_parallel_rank(),
+            "cp": parallel_state.get_context_parallel_rank(),
+            "ep": parallel_state.get_expert_model_parallel_rank()}
+
+
+def files_written_by(rank: int, directory: Path) -> list[Path]:
+    own = sorted(directory.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        own += [directory / name for name in COMMON_FILES if (directory / name).exists()]
+    return own
+
+
+@dataclass
+class SaveResult:
+    path: Path
+    seconds: float
+    bytes: int
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None) -> SaveResult:
+    """Save the trainer's state as a committed checkpoint (see the module docstring)."""
+    started = time.perf_counter()
+    save_dir = Path(save_dir)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name = checkpoint_name(trainer.iteration)
+    tmp = save_dir / f"{name}.tmp"
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        for stale in save_dir.glob("*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+
+    state = sharded_training_state(trainer)
+    shards = shard_records(state)
+    error = None
+    try:
+        dist_checkpointing.save(state, str(tmp))
+        files = [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size)
+                 for p in files_written_by(rank, tmp)]
+    except Exception as exc:  # noqa: BLE001 - reported below, on every rank
+        error, files = f"rank {rank}: {type(exc).__name__}: {exc}", []
+    record = RankRecord(rank=rank, host=socket.gethostname(), coords=current_coords(), files=files, shards=shards)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (record, error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise CheckpointError(f"checkpoint {tmp} not committed: " + "; ".join(errors))
+
+    if rank == 0:
+        manifest = Manifest(
+            iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
+            layout=current_layout(trainer.args.use_distributed_optimizer), ranks=[r for r, _ in gathered],
+            higgs=trainer.args.higgs_config.to_dict() if trainer.args.use_higgs else None,
+            versions={"higgs_megatron": __version__, "megatron_core": _megatron_version(), "torch": torch.__version__},
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
+        manifest.write(tmp)
+        final = save_dir / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(save_dir, trainer.iteration)
+        _fsync_dir(save_dir)
+        if keep_last:
+            for old in committed_checkpoints(save_dir)[:-keep_last]:
+                shutil.rmtree(save_dir / checkpoint_name(old), ignore_errors=True)
+    dist.barrier()
+    total = sum(f.bytes for r, _ in gathered for f in r.files)
+    return SaveResult(path=save_dir / name, seconds=time.perf_counter() - started, bytes=total)
+
+
+def _write_latest(save_dir: Path, iteration: int) -> None:
+    tmp = save_dir / f"{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / LATEST)
+
+
+def committed_checkpoints(save_dir: Path) -> list[int]:
+    """Iterations of the committed checkpoints under ``save_dir``, oldest first."""
+    found = []
+    for path in Path(save_dir).glob("iter_*"):
+        if path.suffix == ".tmp" or not (path / "rank_map.json").exists():
+            continue
+        try:
+            found.append(int(path.name[len("iter_"):]))
+        except ValueError:
+            continue
+    return sorted(found)
+
+
+def _megatron_version() -> str:
+    from megatron.core import __version__ as version
+
+    return version

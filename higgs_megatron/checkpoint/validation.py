@@ -1,0 +1,94 @@
+"""Every rule a checkpoint must pass before anything is loaded, in one place.
+
+* ``layout_differences``: what differs between the saved layout and the current one, each
+  named ("tensor-model-parallel size: checkpoint 2, now 1"); ``same-sharding`` refuses any.
+* ``uncovered_shards``: for ``reshard``, the shards this rank needs that the saved shards do
+  not tile completely (same key and global shape, intersection volume = needed volume).
+* ``verify_files``: SHA-256 of the files a rank is asked to check against the rank map; a
+  missing file or a mismatch is named with the rank that wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+from .manifest import FileRecord, Layout, Manifest, ShardRecord
+
+_LAYOUT_NAMES = {
+    "world_size": "world size",
+    "tensor_model_parallel_size": "tensor-model-parallel size",
+    "pipeline_model_parallel_size": "pipeline-model-parallel size",
+    "data_parallel_size": "data-parallel size",
+    "context_parallel_size": "context-parallel size",
+    "expert_model_parallel_size": "expert-model-parallel size",
+    "use_distributed_optimizer": "distributed optimizer",
+}
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def layout_differences(saved: Layout, now: Layout) -> list[str]:
+    return [f"{label}: checkpoint {_show(getattr(saved, name))}, now {_show(getattr(now, name))}"
+            for name, label in _LAYOUT_NAMES.items() if getattr(saved, name) != getattr(now, name)]
+
+
+def _intersection_volume(a: ShardRecord, b: ShardRecord) -> int:
+    volume = 1
+    for a0, an, b0, bn in zip(a.global_offset, a.local_shape, b.global_offset, b.local_shape):
+        overlap = min(a0 + an, b0 + bn) - max(a0, b0)
+        if overlap <= 0:
+            return 0
+        volume *= overlap
+    return volume
+
+
+def uncovered_shards(manifest: Manifest, needed: list[ShardRecord]) -> list[str]:
+    """Describe each needed shard that the saved shards do not cover; empty when all are."""
+    saved: dict[str, list[ShardRecord]] = {}
+    for rank in manifest.ranks:
+        for shard in rank.shards:
+            saved.setdefault(shard.key, []).append(shard)
+    problems = []
+    for need in needed:
+        pieces = saved.get(need.key)
+        if not pieces:
+            problems.append(f"{need.key}: not in the checkpoint")
+            continue
+        if pieces[0].global_shape != need.global_shape:
+            problems.append(f"{need.key}: global shape {pieces[0].global_shape} in the checkpoint, "
+                            f"{need.global_shape} now")
+            continue
+        covered = sum(_intersection_volume(need, piece) for piece in pieces)
+        if covered != math.prod(need.local_shape):
+            problems.append(f"{need.key}: offset {need.global_offset} shape {need.local_shape} is only "
+                            f"{covered}/{math.prod(need.local_shape)} covered by saved shards")
+    return problems
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_files(checkpoint_dir: Path, manifest: Manifest, rank: int, world_size: int) -> list[str]:
+    """Check this rank's share of all files (file i is checked by rank i mod world)."""
+    records: list[tuple[FileRecord, int]] = [(f, r.rank) for r in manifest.ranks for f in r.files]
+    problems = []
+    for index, (record, writer) in enumerate(sorted(records, key=lambda x: x[0].path)):
+        if index % world_size != rank:
+            continue
+        path = checkpoint_dir / record.path
+        if not path.exists():
+            problems.append(f"{path}: missing (written by rank {writer})")
+        elif sha256_of(path) != record.sha256:
+            problems.append(f"{path}: SHA-256 does not match the rank map (written by rank {writer})")
+    return problems
