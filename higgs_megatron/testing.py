@@ -65,7 +65,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1", **(env or {}),
         }
-        proc = ctx.Process(target=_rank_main, args=(fn, args, rank_env, queue), daemon=True)
+        # Not daemonic: ranks may start processes of their own (the checkpoint writer does).
+        proc = ctx.Process(target=_rank_main, args=(fn, args, rank_env, queue), daemon=False)
         proc.start()
         procs.append(proc)
     results: dict[int, Any] = {}

@@ -179,3 +179,54 @@ def resume_continuity(argv: list[str], split_at: int) -> dict:
         second.close()
     return {"straight": straight_losses, "resumed": {**first_losses, **second_losses},
             "params_equal": all(torch.equal(straight_params[n], resumed_params[n]) for n in straight_params)}
+
+
+def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None) -> dict:
+    """Train (with whatever --save/--load flags) and report losses, the loaded iteration and the
+    global tensors this rank holds (model and optimizer state, by key and offset)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from higgs_megatron.checkpoint.state import sharded_training_state
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    args = parse_args(argv)
+    original_save = dist_checkpointing.save
+
+    def dying_save(state, directory, *a, **k):
+        result = original_save(state, directory, *a, **k)
+        if dist.get_rank() == 1 and state["iteration"] == kill_rank_during_save_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # files written, nothing hashed or committed
+        return result
+
+    dist_checkpointing.save = dying_save
+    try:
+        with training_environment(args):
+            trainer = Trainer(args)
+            start = trainer.iteration
+            state_after_load = tensor_pieces(sharded_training_state(trainer)) if args.load else None
+            result = trainer.train()
+            out = {"start": start, "losses": result.losses, "after_load": state_after_load,
+                   "final": tensor_pieces(sharded_training_state(trainer)), "coords": coordinates()}
+            trainer.close()
+    finally:
+        dist_checkpointing.save = original_save
+    return out
+
+
+def tensor_pieces(state: dict) -> dict:
+    """{key: [(global_offset, tensor)]} of the main-replica ShardedTensors in a sharded state."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    pieces = {}
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor) and all(r == 0 for r in (value.replica_id if isinstance(
+                value.replica_id, tuple) else (value.replica_id,))):
+            offset = tuple(value.global_offset[value.prepend_axis_num:])
+            pieces.setdefault(value.key, []).append((offset, value.data.detach().clone()))
+    return pieces

@@ -20,7 +20,7 @@ from megatron.core import dist_checkpointing
 from .manifest import CheckpointError, Manifest
 from .save import LATEST, checkpoint_name, committed_checkpoints, current_layout
 from .state import (prepare_fresh_optimizer_for_load, restore_rng_state, shard_records, sharded_training_state,
-                    tolerate_torch_adam_step)
+                    tolerate_torch_adam_step, untie_adam_steps)
 from .validation import layout_differences, uncovered_shards, verify_files
 
 RECOVERY_MODES = ("same-sharding", "reshard")
@@ -93,6 +93,7 @@ def load_checkpoint(trainer, load_dir: str | Path, recovery_mode: str = "same-sh
     inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
     with tolerate_torch_adam_step():
         inner.load_state_dict(optimizer_state)
+    untie_adam_steps(trainer.optimizer)
     if residuals is not None:
         trainer.optimizer.load_higgs_residuals(residuals)
     trainer.scheduler.load_state_dict(loaded["scheduler"])

@@ -58,6 +58,17 @@ def prepare_fresh_optimizer_for_load(optimizer) -> None:
                     state.setdefault("step", torch.tensor(0.0))
 
 
+def untie_adam_steps(optimizer) -> None:
+    """megatron-core 0.16.1 on torch Adam (no TE/Apex): ``DistributedOptimizer.load_state_dict``
+    gives every param state the *same* ``step`` tensor, and torch Adam increments each param's
+    step in place, so one optimizer step would advance it once per parameter and skew Adam's
+    bias correction. Give each state its own copy."""
+    for _, torch_optimizer in _torch_optimizers(optimizer):
+        for state in torch_optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
 @contextlib.contextmanager
 def tolerate_torch_adam_step():
     """megatron-core 0.16.1 on torch Adam (no TE/Apex): ``DistributedOptimizer.load_state_dict``
