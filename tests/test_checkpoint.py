@@ -16,12 +16,13 @@ HIGGS = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket
 
 
 def _global(outs, field):
-    """Assemble {key: global tensor} from every rank's (offset, piece) lists."""
+    """{key: global tensor}, each assembled from every rank's pieces at their global offsets."""
     assembled = {}
     for out in outs:
         for key, pieces in out[field].items():
-            for offset, piece in pieces:
-                assembled.setdefault(key, {})[offset] = piece
+            for global_shape, offset, piece in pieces:
+                whole = assembled.setdefault(key, torch.full(global_shape, float("nan"), dtype=piece.dtype))
+                whole[tuple(slice(o, o + n) for o, n in zip(offset, piece.shape))] = piece
     return assembled
 
 
@@ -52,8 +53,7 @@ def test_resume_continues_bitwise(tmp_path, world_size, layout, higgs, tiny_gpt_
     final_a, final_b = _global(straight, "final"), _global(resumed, "final")
     assert final_a.keys() == final_b.keys()
     for key in final_a:
-        for offset in final_a[key]:
-            assert torch.equal(final_a[key][offset], final_b[key][offset]), key
+        assert torch.equal(final_a[key], final_b[key]), key
 
 
 @pytest.mark.parametrize("save_layout,load_layout,load_world", [
@@ -71,21 +71,10 @@ def test_reshard_restores_global_model_and_moments(tmp_path, save_layout, load_l
     moment_keys = [k for k in before if "exp_avg" in k]
     assert model_keys and moment_keys, sorted(before)[:10]
     for key in model_keys + moment_keys:
-        whole_before = _assemble(before[key])
-        whole_after = _assemble(after[key])
-        assert torch.equal(whole_before, whole_after), key
+        assert not before[key].isnan().any(), f"{key}: the saved shards do not tile it"
+        assert torch.equal(before[key], after[key]), key
     losses = [resumed[-1]["losses"][i] for i in sorted(resumed[-1]["losses"])]
     assert resumed[-1]["start"] == 3 and losses[-1] < losses[0] + 0.5
-
-
-def _assemble(pieces: dict) -> torch.Tensor:
-    """Concatenate pieces along the axes their offsets differ on (row-major tiling)."""
-    items = sorted(pieces.items())
-    if len(items) == 1:
-        return items[0][1]
-    offsets = [o for o, _ in items]
-    axis = next(i for i in range(len(offsets[0])) if len({o[i] for o in offsets}) > 1)
-    return torch.cat([t for _, t in items], dim=axis)
 
 
 def test_same_sharding_refuses_a_changed_layout_naming_each_difference(tmp_path, tiny_gpt_args):
@@ -116,7 +105,7 @@ def test_flipped_byte_is_detected_and_named(tmp_path, tiny_gpt_args):
 
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, tiny_gpt_args):
     base = tiny_gpt_args + COMMON + ["--save", str(tmp_path), "--save-interval", "2"]
-    with pytest.raises(RankFailure, match="died"):
+    with pytest.raises(RankFailure):  # rank 1 dies; rank 0 fails or is killed with it
         run_ranks(run_trainer, 2, args=(base + ["--train-iters", "6"], 4), timeout=120)
     assert (tmp_path / "latest").read_text().strip() == "2"
     assert (tmp_path / "iter_0000004.tmp").exists() and not (tmp_path / "iter_0000004").exists()

@@ -227,6 +227,6 @@ def tensor_pieces(state: dict) -> dict:
     for value in nested_values(state):
         if isinstance(value, ShardedTensor) and all(r == 0 for r in (value.replica_id if isinstance(
                 value.replica_id, tuple) else (value.replica_id,))):
-            offset = tuple(value.global_offset[value.prepend_axis_num:])
-            pieces.setdefault(value.key, []).append((offset, value.data.detach().clone()))
+            data = value.data.detach().clone().reshape([1] * value.prepend_axis_num + list(value.local_shape))
+            pieces.setdefault(value.key, []).append((tuple(value.global_shape), tuple(value.global_offset), data))
     return pieces
