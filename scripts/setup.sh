@@ -11,4 +11,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test${EXTRAS:+,$EXTRAS}]"
-.venv/bin/python -c "import higgs_megatron, megatron.core, torch; print(f'higgs-megatron {higgs_megatron.__version__}, megatron-core {megatron.core.__version__}, torch {torch.__version__}')"
+.venv/bin/python -W ignore -c "import higgs_megatron, megatron.core, torch; print(f'higgs-megatron {higgs_megatron.__version__}, megatron-core {megatron.core.__version__}, torch {torch.__version__}')"

@@ -281,15 +281,17 @@ class Trainer:
                 window = _Window()
             if args.eval_iters > 0 and (self.iteration % args.eval_interval == 0
                                         or self.iteration == args.train_iters):
+                paused = time.perf_counter()
                 valid_loss = self.evaluate()
                 if valid_loss is not None:
                     result.valid_losses[self.iteration] = valid_loss
                     self.log.event("validation", f" validation loss at iteration {self.iteration}: "
                                    f"{valid_loss:.6E}", iteration=self.iteration, loss=valid_loss)
-                window.started = time.perf_counter()
+                window.excluded += time.perf_counter() - paused
             if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                paused = time.perf_counter()
                 self.save()
-                window.started = time.perf_counter()
+                window.excluded += time.perf_counter() - paused
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
             self.save()
         return result
@@ -313,10 +315,12 @@ class Trainer:
 
 
 class _Window:
-    """Step time and traffic since the last log line; traffic averaged over all ranks."""
+    """Step time (validation and saves excluded) and traffic since the last log line; traffic
+    averaged over all ranks."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
+        self.excluded = 0.0  # validation and checkpoint time inside the window
         self.iterations = 0
         self.totals = torch.zeros(3, dtype=torch.float64)
         self.density = 1.0
@@ -327,7 +331,7 @@ class _Window:
         self.density = density
 
     def seconds_per_iteration(self) -> float:
-        return (time.perf_counter() - self.started) / max(1, self.iterations)
+        return (time.perf_counter() - self.started - self.excluded) / max(1, self.iterations)
 
     def per_rank_per_step(self) -> list[float]:
         """A collective over the default group: every rank logs at the same iterations."""
