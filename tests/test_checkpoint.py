@@ -131,3 +131,11 @@ def test_rank_map_describes_every_rank(tmp_path, tiny_gpt_args):
     assert on_disk == {f.path for r in manifest.ranks for f in r.files}
     # every saved tensor is tiled exactly once by the main-replica shards
     assert any(s.key == "embedding.word_embeddings.weight" for r in manifest.ranks for s in r.shards)
+
+
+def test_write_failure_on_one_rank_commits_nothing(tmp_path, tiny_gpt_args):
+    base = tiny_gpt_args + COMMON + ["--save", str(tmp_path), "--save-interval", "2", "--train-iters", "6"]
+    with pytest.raises(RankFailure, match=r"iter_0000004.tmp not committed: rank \d: .*Permission denied: .*__1_0.distcp"):
+        run_ranks(run_trainer, 2, args=(base, None, (1, 4)), timeout=200)
+    assert (tmp_path / "latest").read_text().strip() == "2"
+    assert not (tmp_path / "iter_0000004").exists()

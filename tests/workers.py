@@ -181,7 +181,8 @@ def resume_continuity(argv: list[str], split_at: int) -> dict:
             "params_equal": all(torch.equal(straight_params[n], resumed_params[n]) for n in straight_params)}
 
 
-def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None) -> dict:
+def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
+                unwritable_rank_from: int | None = None) -> dict:
     """Train (with whatever --save/--load flags) and report losses, the loaded iteration and the
     global tensors this rank holds (model and optimizer state, by key and offset)."""
     import os
@@ -204,9 +205,28 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None) ->
         return result
 
     dist_checkpointing.save = dying_save
+    if unwritable_rank_from is not None:
+        # From that iteration on, this rank's shard files cannot be opened for writing, as on a
+        # read-only or full file system (the writer processes fork from here and inherit it).
+        import builtins
+
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        trainer_box = {}
+
+        def unwritable_open(path, mode="r", *a, **k):
+            trainer = trainer_box.get("trainer")
+            if ("w" in mode and f"__{unwritable_rank_from[0]}_" in os.path.basename(str(path))
+                    and trainer is not None and trainer.iteration >= unwritable_rank_from[1]):
+                raise PermissionError(13, "Permission denied", str(path))
+            return builtins.open(path, mode, *a, **k)
+
+        filesystem_async.open = unwritable_open
     try:
         with training_environment(args):
             trainer = Trainer(args)
+            if unwritable_rank_from is not None:
+                trainer_box["trainer"] = trainer
             start = trainer.iteration
             state_after_load = tensor_pieces(sharded_training_state(trainer)) if args.load else None
             result = trainer.train()

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+# torch's checkpoint failure is a BaseException: name it, or it escapes the commit protocol.
+from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 
 from megatron.core import dist_checkpointing, parallel_state
 
@@ -108,8 +110,8 @@ def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None)
         dist_checkpointing.save(state, str(tmp))
         files = [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size)
                  for p in files_written_by(rank, tmp)]
-    except Exception as exc:  # noqa: BLE001 - reported below, on every rank
-        error, files = f"rank {rank}: {type(exc).__name__}: {exc}", []
+    except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
+        error, files = f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}", []
     record = RankRecord(rank=rank, host=socket.gethostname(), coords=current_coords(), files=files, shards=shards)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (record, error))
@@ -138,6 +140,13 @@ def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None)
     dist.barrier()
     total = sum(f.bytes for r, _ in gathered for f in r.files)
     return SaveResult(path=save_dir / name, seconds=time.perf_counter() - started, bytes=total)
+
+
+def _first_line(error: BaseException) -> str:
+    """torch's CheckpointException carries each failing rank's traceback; keep the errors."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":", 1)[0]]
+    return "; ".join(errors) or (lines[0] if lines else type(error).__name__)
 
 
 def _write_latest(save_dir: Path, iteration: int) -> None:
