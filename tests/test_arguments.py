@@ -77,3 +77,12 @@ def test_bad_higgs_flags_are_named(argv, message):
     with pytest.raises(UsageError) as info:
         parse_args(argv, world_size=2)
     assert message in info.value.message
+
+
+def test_tensorboard_dir_without_tensorboard_is_named(monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import fails as if not installed
+    with pytest.raises(UsageError) as info:
+        parse_args(["--tensorboard-dir", str(tmp_path)], world_size=1)
+    assert "--tensorboard-dir needs the tensorboard package" in info.value.message
