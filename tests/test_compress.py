@@ -1,6 +1,5 @@
 """Compressors, error feedback and plans: pure tensor code, one process."""
 
-import math
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """The byte tokenizer and the indexed corpus: real text, built once, read by Megatron."""
 
-import os
 
 import pytest
 
