@@ -270,10 +270,6 @@ class HiggsDDP(DistributedDataParallel):
 
     # --- what the loop, the optimizer wrapper and the tests ask of it -----------------
 
-    @property
-    def selector(self) -> Selector | None:
-        return self._higgs.selector
-
     def take_stats(self) -> SyncStats:
         """Bytes and compression time since the last call (call once per step)."""
         stats, self._higgs.stats = self._higgs.stats, SyncStats(density=self._higgs.stats.density)
