@@ -86,7 +86,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
                     raise RankFailure(f"timed out after {timeout:.0f}s; rank(s) {missing} had not finished")
                 continue
             if not ok:
-                raise RankFailure(f"rank {rank} failed:\n{value}")
+                raise RankFailure(_failures(queue, {rank: value}))
             results[rank] = pickle.loads(value)
     finally:
         for proc in procs:
@@ -95,6 +95,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
                 proc.kill()
                 proc.join()
     return [results[r] for r in range(world_size)]
+
+
+def _failures(queue, failed: dict[int, str], grace: float = 3.0) -> str:
+    """Every rank's failure that arrives within ``grace`` seconds, the rank that failed on its
+    own first (the others typically report only that a peer closed the connection)."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            rank, ok, value = queue.get(timeout=max(0.01, deadline - time.monotonic()))
+        except Exception:  # queue.Empty
+            break
+        if not ok:
+            failed[rank] = value
+    secondary = ("Connection closed by peer", "Connection reset by peer")
+    order = sorted(failed, key=lambda r: (any(s in failed[r] for s in secondary), r))
+    return "\n".join(f"rank {r} failed:\n{failed[r]}" for r in order)
 
 
 def run_pretrain_script(argv: Sequence[str], nproc: int, timeout: float = 300.0,

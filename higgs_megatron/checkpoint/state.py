@@ -3,9 +3,10 @@
 ``sharded_training_state`` builds the dict ``dist_checkpointing`` saves and loads:
 
 * ``model``: the model chunk's ``sharded_state_dict()`` (global shapes and offsets per tensor);
-* ``optimizer``: the optimizer's, with the distributed optimizer's state in
+* ``optimizer``: the optimizer's, with the distributed optimizer's state in Megatron's
   ``fully_reshardable`` form (it can move to another TP/PP/DP layout; ``dp_reshardable``
-  cannot), plus, under HiggsOptimizer, each rank's error-feedback residuals;
+  cannot), written by the DP ranks that hold it (``optimizer_shards``), plus, under
+  HiggsOptimizer, each rank's error-feedback residuals;
 * ``rng``: each rank's RNG states (torch and Megatron's tracker), a per-rank object;
 * plain values (iteration, consumed samples, LR schedule): the common part, rank 0 writes it.
 
@@ -26,6 +27,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from .manifest import ShardRecord
+from .optimizer_shards import owner_written_optimizer_state
 
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -99,7 +101,8 @@ def sharded_training_state(trainer, is_loading: bool = False, per_rank: bool = T
     """The sharded state dict of a Trainer; ``per_rank=False`` leaves out rng and residuals."""
     chunk = trainer.model[0].module
     model_sd = chunk.sharded_state_dict()
-    optimizer_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
+    with owner_written_optimizer_state():
+        optimizer_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
     if not per_rank:
         optimizer_sd.pop("higgs_residuals", None)
     state = {
