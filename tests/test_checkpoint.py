@@ -53,6 +53,30 @@ def test_resume_continues_bitwise(tmp_path, world_size, layout, higgs, tiny_gpt_
         assert torch.equal(final_a[key], final_b[key]), key
 
 
+@pytest.mark.parametrize("world_size,layout", [
+    pytest.param(2, [], id="dp2-dense"),
+    pytest.param(2, ["--use-distributed-optimizer"] + HIGGS, id="dp2-distopt-higgs"),
+    pytest.param(2, ["--tensor-model-parallel-size", "2"] + HIGGS, id="tp2-higgs"),
+    pytest.param(4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"] + HIGGS,
+                 id="pp2xdp2-higgs"),
+])
+def test_async_save_is_a_snapshot_while_training_goes_on(tmp_path, world_size, layout, tiny_gpt_args):
+    """The save at iteration 3 is written while iterations 4-6 run; resuming from it must give
+    iterations 4-6 exactly as the run that went on."""
+    base = tiny_gpt_args + COMMON + layout + ["--train-iters", "6"]
+    straight = run_ranks(run_trainer, world_size, args=(base + ["--save", str(tmp_path), "--save-interval", "3",
+                                                                "--async-checkpoint"],))
+    assert (tmp_path / "latest").read_text().strip() == "6"
+    resumed = run_ranks(run_trainer, world_size, args=(base + ["--load", str(tmp_path), "--checkpoint-version", "3"],))
+    for a, b in zip(straight, resumed):
+        assert b["start"] == 3
+        if a["losses"]:
+            assert b["losses"] == {i: a["losses"][i] for i in (4, 5, 6)}
+    final_a, final_b = _global(straight, "final"), _global(resumed, "final")
+    for key in final_a:
+        assert torch.equal(final_a[key], final_b[key]), key
+
+
 @pytest.mark.parametrize("save_layout,load_layout,load_world", [
     pytest.param(["--tensor-model-parallel-size", "2"], [], 2, id="tp2-to-dp2"),
     pytest.param(["--pipeline-model-parallel-size", "2"], [], 2, id="pp2-to-dp2"),
@@ -117,8 +141,11 @@ def test_flipped_byte_is_detected_and_named(tmp_path, tiny_gpt_args):
         run_ranks(run_trainer, 2, args=(base + ["--load", str(tmp_path)],))
 
 
-def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, tiny_gpt_args):
-    base = tiny_gpt_args + COMMON + ["--save", str(tmp_path), "--save-interval", "2"]
+@pytest.mark.parametrize("mode", [pytest.param([], id="sync"), pytest.param(["--async-checkpoint"], id="async")])
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, mode, tiny_gpt_args):
+    """sync: rank 1 dies after writing its files, before the commit; async: the training rank
+    is killed by its writer process as the write begins."""
+    base = tiny_gpt_args + COMMON + mode + ["--save", str(tmp_path), "--save-interval", "2"]
     with pytest.raises(RankFailure):  # rank 1 dies; rank 0 fails or is killed with it
         run_ranks(run_trainer, 2, args=(base + ["--train-iters", "6"], 4), timeout=120)
     assert (tmp_path / "latest").read_text().strip() == "2"
@@ -147,9 +174,10 @@ def test_rank_map_describes_every_rank(tmp_path, tiny_gpt_args):
     assert any(s.key == "embedding.word_embeddings.weight" for r in manifest.ranks for s in r.shards)
 
 
-def test_write_failure_on_one_rank_commits_nothing(tmp_path, tiny_gpt_args):
-    base = tiny_gpt_args + COMMON + ["--save", str(tmp_path), "--save-interval", "2", "--train-iters", "6"]
-    with pytest.raises(RankFailure, match=r"iter_0000004.tmp not committed: rank \d: .*Permission denied: .*__1_0.distcp"):
+@pytest.mark.parametrize("mode", [pytest.param([], id="sync"), pytest.param(["--async-checkpoint"], id="async")])
+def test_write_failure_on_one_rank_commits_nothing(tmp_path, mode, tiny_gpt_args):
+    base = tiny_gpt_args + COMMON + mode + ["--save", str(tmp_path), "--save-interval", "2", "--train-iters", "6"]
+    with pytest.raises(RankFailure, match=r"iter_0000004.tmp not committed: .*Permission denied: .*__1_0.distcp"):
         run_ranks(run_trainer, 2, args=(base, None, (1, 4)), timeout=200)
     assert (tmp_path / "latest").read_text().strip() == "2"
     assert not (tmp_path / "iter_0000004").exists()

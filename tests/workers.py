@@ -201,7 +201,16 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
     def dying_save(state, directory, *a, **k):
         result = original_save(state, directory, *a, **k)
         if dist.get_rank() == 1 and state["iteration"] == kill_rank_during_save_at:
-            os.kill(os.getpid(), signal.SIGKILL)  # files written, nothing hashed or committed
+            if result is None:
+                os.kill(os.getpid(), signal.SIGKILL)  # files written, nothing hashed or committed
+            else:  # async: die as soon as the writer has been forked, while it writes
+                schedule = result.async_fn
+
+                def write_then_die(*args, **kwargs):
+                    os.kill(os.getppid(), signal.SIGKILL)
+                    return schedule(*args, **kwargs)
+
+                result = result._replace(async_fn=write_then_die)
         return result
 
     dist_checkpointing.save = dying_save

@@ -15,16 +15,23 @@ Protocol (all ranks call ``save_checkpoint`` at the same iteration):
 
 A crash at any point before the commit leaves ``latest`` naming the previous checkpoint;
 the half-written ``.tmp`` directory is never loaded and is removed by the next save.
+
+``save_checkpoint`` runs the protocol in one call; ``AsyncCheckpointer`` runs step 2's
+writing and hashing in a background writer process and steps 3-4 when every rank's writer is
+done (see its docstring).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -77,8 +84,26 @@ def files_written_by(rank: int, directory: Path) -> list[Path]:
 @dataclass
 class SaveResult:
     path: Path
-    seconds: float
+    iteration: int
+    seconds: float  # from the start of the save to its commit
     bytes: int
+
+
+@dataclass
+class _Snapshot:
+    """What the rank map records about the trainer, taken when the save starts: an
+    asynchronous save commits after the trainer has moved on."""
+    iteration: int
+    consumed_samples: int
+    layout: Layout
+    higgs: dict | None
+    save_dir: Path
+    keep_last: int | None
+    started: float
+
+    @property
+    def tmp(self) -> Path:
+        return self.save_dir / f"{checkpoint_name(self.iteration)}.tmp"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -89,57 +114,161 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None) -> SaveResult:
-    """Save the trainer's state as a committed checkpoint (see the module docstring)."""
-    started = time.perf_counter()
-    save_dir = Path(save_dir)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    name = checkpoint_name(trainer.iteration)
-    tmp = save_dir / f"{name}.tmp"
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        for stale in save_dir.glob("*.tmp"):
+def _begin(trainer, save_dir: str | Path, keep_last: int | None) -> _Snapshot:
+    """Step 1 of the protocol, on every rank."""
+    snapshot = _Snapshot(
+        iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
+        layout=current_layout(trainer.args.use_distributed_optimizer),
+        higgs=trainer.args.higgs_config.to_dict() if trainer.args.use_higgs else None,
+        save_dir=Path(save_dir), keep_last=keep_last, started=time.perf_counter())
+    if dist.get_rank() == 0:
+        snapshot.save_dir.mkdir(parents=True, exist_ok=True)
+        for stale in snapshot.save_dir.glob("*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+        snapshot.tmp.mkdir()
     dist.barrier()
+    return snapshot
 
-    state = sharded_training_state(trainer)
-    shards = shard_records(state)
-    error = None
-    try:
-        dist_checkpointing.save(state, str(tmp))
-        files = [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size)
-                 for p in files_written_by(rank, tmp)]
-    except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
-        error, files = f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}", []
+
+def _hash_files(rank: int, directory: Path) -> list[FileRecord]:
+    return [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size)
+            for p in files_written_by(rank, directory)]
+
+
+def _commit(snapshot: _Snapshot, shards: list, files: list[FileRecord], error: str | None) -> SaveResult:
+    """Steps 3 and 4 of the protocol, on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     record = RankRecord(rank=rank, host=socket.gethostname(), coords=current_coords(), files=files, shards=shards)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (record, error))
     errors = [e for _, e in gathered if e]
     if errors:
-        raise CheckpointError(f"checkpoint {tmp} not committed: " + "; ".join(errors))
-
+        raise CheckpointError(f"checkpoint {snapshot.tmp} not committed: " + "; ".join(errors))
+    name = checkpoint_name(snapshot.iteration)
     if rank == 0:
         manifest = Manifest(
-            iteration=trainer.iteration, consumed_samples=trainer.consumed_samples,
-            layout=current_layout(trainer.args.use_distributed_optimizer), ranks=[r for r, _ in gathered],
-            higgs=trainer.args.higgs_config.to_dict() if trainer.args.use_higgs else None,
+            iteration=snapshot.iteration, consumed_samples=snapshot.consumed_samples, layout=snapshot.layout,
+            ranks=[r for r, _ in gathered], higgs=snapshot.higgs,
             versions={"higgs_megatron": __version__, "megatron_core": _megatron_version(), "torch": torch.__version__},
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
-        manifest.write(tmp)
-        final = save_dir / name
+        manifest.write(snapshot.tmp)
+        final = snapshot.save_dir / name
         if final.exists():
             shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_latest(save_dir, trainer.iteration)
-        _fsync_dir(save_dir)
-        if keep_last:
-            for old in committed_checkpoints(save_dir)[:-keep_last]:
-                shutil.rmtree(save_dir / checkpoint_name(old), ignore_errors=True)
+        os.replace(snapshot.tmp, final)
+        _write_latest(snapshot.save_dir, snapshot.iteration)
+        _fsync_dir(snapshot.save_dir)
+        if snapshot.keep_last:
+            for old in committed_checkpoints(snapshot.save_dir)[:-snapshot.keep_last]:
+                shutil.rmtree(snapshot.save_dir / checkpoint_name(old), ignore_errors=True)
     dist.barrier()
     total = sum(f.bytes for r, _ in gathered for f in r.files)
-    return SaveResult(path=save_dir / name, seconds=time.perf_counter() - started, bytes=total)
+    return SaveResult(path=snapshot.save_dir / name, iteration=snapshot.iteration,
+                      seconds=time.perf_counter() - snapshot.started, bytes=total)
+
+
+def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None) -> SaveResult:
+    """Save the trainer's state as a committed checkpoint, synchronously (see the module docstring)."""
+    snapshot = _begin(trainer, save_dir, keep_last)
+    rank = dist.get_rank()
+    state = sharded_training_state(trainer)
+    shards = shard_records(state)
+    error, files = None, []
+    try:
+        dist_checkpointing.save(state, str(snapshot.tmp))
+        files = _hash_files(rank, snapshot.tmp)
+    except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
+        error = f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
+    return _commit(snapshot, shards, files, error)
+
+
+class AsyncCheckpointer:
+    """Saves whose writing, hashing and commit run in the background.
+
+    ``start`` costs the loop the sharded state dict, megatron-core's save planning and the
+    host copy of the state (on GPUs a device-to-host copy; on CPU the writer is forked, which
+    gives it a copy-on-write snapshot). A forked writer then writes this rank's files and
+    hashes them into ``__<rank>_sha256.json``. ``poll`` (collective: every rank calls it at the
+    same iterations) finishes a save whose writers are done on every rank: megatron-core's
+    finalization (its ``.metadata``; a write error on any rank is raised on every rank), then
+    the commit of ``_commit``. One save is in flight at most: ``start`` waits for the previous.
+    """
+
+    def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+
+        self.queue = AsyncCallsQueue(persistent=False)
+        _get_write_results_queue()  # a spawned manager process: seconds, paid here, not in the first save
+        self.pending: _Snapshot | None = None
+        self._committed: list[SaveResult] = []
+
+    def start(self, trainer, save_dir: str | Path, keep_last: int | None = None) -> list[SaveResult]:
+        """Begin a save; returns the earlier saves this had to wait for, committed."""
+        done = self.wait()
+        snapshot = _begin(trainer, save_dir, keep_last)
+        rank = dist.get_rank()
+        state = sharded_training_state(trainer)
+        shards = shard_records(state)
+        request = dist_checkpointing.save(state, str(snapshot.tmp), async_sharded_save=True)
+        if request.async_fn is not None:
+            request = request._replace(async_fn=partial(_write_then_hash, request.async_fn, rank, str(snapshot.tmp)))
+        request.add_finalize_fn(partial(self._finalize, snapshot, shards))
+        self.queue.schedule_async_request(request)
+        self.pending = snapshot
+        return done
+
+    def _finalize(self, snapshot: _Snapshot, shards: list) -> None:
+        rank = dist.get_rank()
+        sidecar = snapshot.tmp / _sidecar_name(rank)
+        if sidecar.exists():
+            files = [FileRecord(**f) for f in json.loads(sidecar.read_text())]
+            sidecar.unlink()
+            if rank == 0:
+                files += [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size)
+                          for p in files_written_by(0, snapshot.tmp) if p.suffix != ".distcp"]
+        else:  # nothing for the writer on this rank
+            files = _hash_files(rank, snapshot.tmp)
+        self._committed.append(_commit(snapshot, shards, files, None))
+
+    def poll(self, blocking: bool = False) -> list[SaveResult]:
+        """Finish the saves whose writers are done everywhere (collective); their results."""
+        if self.pending is None:
+            return []
+        snapshot = self.pending
+        try:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - the same on every rank
+            self.pending = None
+            raise CheckpointError(f"checkpoint {snapshot.tmp} not committed: {type(exc).__name__}: "
+                                  f"{_first_line(exc)}") from exc
+        if self.queue.get_num_unfinalized_calls() == 0:
+            self.pending = None
+        done, self._committed = self._committed, []
+        return done
+
+    def wait(self) -> list[SaveResult]:
+        return self.poll(blocking=True)
+
+    def close(self) -> list[SaveResult]:
+        done = self.wait()
+        self.queue.close()
+        return done
+
+
+def _sidecar_name(rank: int) -> str:
+    return f"__{rank}_sha256.json"
+
+
+def _write_then_hash(write, rank: int, directory: str, *args, **kwargs) -> None:
+    """In the forked writer: megatron-core's write, then the SHA-256 of this rank's files."""
+    write(*args, **kwargs)
+    directory = Path(directory)
+    records = [dataclasses.asdict(f) for f in _hash_files(rank, directory) if f.path.endswith(".distcp")]
+    tmp = directory / (_sidecar_name(rank) + ".tmp")
+    tmp.write_text(json.dumps(records))
+    os.replace(tmp, directory / _sidecar_name(rank))
 
 
 def _first_line(error: BaseException) -> str:

@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (and at the end of training)")
     g.add_argument("--save-interval", type=int, default=None, metavar="ITERS", help="save every N iterations")
+    g.add_argument("--checkpoint-interval", type=float, default=None, metavar="SECONDS",
+                   help="also save when this much wall-clock time has passed since the last save "
+                        "(decided together by all ranks)")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="the loop pays only for the host copy; writing, hashing and commit run in the background")
     g.add_argument("--load", default=None, metavar="DIR", help="resume from the latest committed checkpoint here")
     g.add_argument("--recovery-mode", choices=("same-sharding", "reshard"), default="same-sharding",
                    help="same-sharding: refuse a checkpoint saved with another layout; reshard: move to this one")
@@ -135,9 +140,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "global_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
               "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads",
-              "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last")
-    if args.save_interval is not None and args.save is None:
-        raise UsageError("--save-interval needs --save DIR")
+              "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last",
+              "checkpoint_interval")
+    for flag in ("save_interval", "checkpoint_interval", "async_checkpoint"):
+        if getattr(args, flag) not in (None, False) and args.save is None:
+            raise UsageError(f"--{flag.replace('_', '-')} needs --save DIR")
     if args.checkpoint_version is not None and args.load is None:
         raise UsageError("--checkpoint-version needs --load DIR")
     if args.load is not None and not os.path.isdir(args.load):

@@ -33,7 +33,7 @@ from megatron.core.utils import check_param_hashes_across_dp_replicas, get_model
 
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
-from ..checkpoint.save import save_checkpoint
+from ..checkpoint.save import AsyncCheckpointer, SaveResult, save_checkpoint
 from ..cpu import cpu_megatron
 from ..ddp import HiggsDDP, dense_bytes_per_step
 from ..optimizer import wrap_optimizer
@@ -131,8 +131,10 @@ class Trainer:
         )
         self.iteration = 0
         self.consumed_samples = 0
+        self.checkpointer = AsyncCheckpointer() if args.async_checkpoint else None
         if args.load:
             self._load()
+        self._saved_at = (self.iteration, time.monotonic())
 
     def _load(self) -> None:
         args = self.args
@@ -155,11 +157,46 @@ class Trainer:
                        consumed_samples=self.consumed_samples, seconds=time.perf_counter() - started)
 
     def save(self) -> None:
-        self.log.event("save_started", iteration=self.iteration)
-        result = save_checkpoint(self, self.args.save, self.args.keep_last)
-        self.log.event("checkpoint_committed", f" saved {result.path} ({result.bytes / 1e6:.1f} MB, "
-                       f"{result.seconds:.2f}s)", path=str(result.path), iteration=self.iteration,
-                       seconds=result.seconds, bytes=result.bytes)
+        """Synchronous: the whole save. With ``--async-checkpoint``: wait for the previous save,
+        then hand this one to the background writer."""
+        if self.checkpointer is None:
+            self.log.event("save_started", iteration=self.iteration)
+            self._committed([save_checkpoint(self, self.args.save, self.args.keep_last)])
+        else:
+            self._committed(self.checkpointer.wait())
+            self.log.event("save_started", iteration=self.iteration)
+            started = time.perf_counter()
+            self.checkpointer.start(self, self.args.save, self.args.keep_last)
+            stall = time.perf_counter() - started
+            self.log.event("checkpoint_host_copy_done", f" iteration {self.iteration}: state copied for the "
+                           f"background writer; the loop paid {stall * 1000:.0f} ms", iteration=self.iteration,
+                           stall_seconds=stall)
+        self._saved_at = (self.iteration, time.monotonic())
+
+    def _committed(self, results: list[SaveResult]) -> None:
+        for result in results:
+            self.log.event("checkpoint_committed", f" saved {result.path} ({result.bytes / 1e6:.1f} MB, "
+                           f"{result.seconds:.2f}s from start to commit)", path=str(result.path),
+                           iteration=result.iteration, seconds=result.seconds, bytes=result.bytes)
+
+    def _save_due(self) -> bool:
+        """``--save-interval`` by iteration count; ``--checkpoint-interval`` by wall clock, agreed
+        on by all ranks (a MAX all-reduce: the first rank whose clock says so decides)."""
+        args = self.args
+        if not args.save:
+            return False
+        if args.save_interval and self.iteration % args.save_interval == 0:
+            return True
+        if args.checkpoint_interval:
+            due = torch.tensor([float(time.monotonic() - self._saved_at[1] >= args.checkpoint_interval)])
+            dist.all_reduce(due, op=dist.ReduceOp.MAX)
+            return bool(due.item())
+        return False
+
+    def finish_saves(self) -> None:
+        """At the end of training: pending saves finish (every rank)."""
+        if self.checkpointer is not None:
+            self._committed(self.checkpointer.close())
 
     def _wire_megatron_hooks(self) -> None:
         """What Megatron-LM's training.py sets on the model config before its loop."""
@@ -288,12 +325,15 @@ class Trainer:
                     self.log.event("validation", f" validation loss at iteration {self.iteration}: "
                                    f"{valid_loss:.6E}", iteration=self.iteration, loss=valid_loss)
                 window.excluded += time.perf_counter() - paused
-            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+            if self.checkpointer is not None:
+                self._committed(self.checkpointer.poll())
+            if self._save_due():
                 paused = time.perf_counter()
                 self.save()
                 window.excluded += time.perf_counter() - paused
-        if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
+        if args.save and self._saved_at[0] != self.iteration:
             self.save()
+        self.finish_saves()
         return result
 
     def state_dict(self) -> dict:
