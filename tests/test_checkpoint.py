@@ -143,8 +143,8 @@ def test_flipped_byte_is_detected_and_named(tmp_path, tiny_gpt_args):
 
 @pytest.mark.parametrize("mode", [pytest.param([], id="sync"), pytest.param(["--async-checkpoint"], id="async")])
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, mode, tiny_gpt_args):
-    """sync: rank 1 dies after writing its files, before the commit; async: the training rank
-    is killed by its writer process as the write begins."""
+    """sync: rank 1 dies after writing its files, before the commit; async: rank 1 dies while
+    its writer thread writes, the loop already a step further."""
     base = tiny_gpt_args + COMMON + mode + ["--save", str(tmp_path), "--save-interval", "2"]
     with pytest.raises(RankFailure):  # rank 1 dies; rank 0 fails or is killed with it
         run_ranks(run_trainer, 2, args=(base + ["--train-iters", "6"], 4), timeout=120)

@@ -200,19 +200,22 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
 
     def dying_save(state, directory, *a, **k):
         result = original_save(state, directory, *a, **k)
-        if dist.get_rank() == 1 and state["iteration"] == kill_rank_during_save_at:
-            if result is None:
-                os.kill(os.getpid(), signal.SIGKILL)  # files written, nothing hashed or committed
-            else:  # async: die as soon as the writer has been forked, while it writes
-                schedule = result.async_fn
-
-                def write_then_die(*args, **kwargs):
-                    os.kill(os.getppid(), signal.SIGKILL)
-                    return schedule(*args, **kwargs)
-
-                result = result._replace(async_fn=write_then_die)
+        if dist.get_rank() == 1 and state["iteration"] == kill_rank_during_save_at and result is None:
+            os.kill(os.getpid(), signal.SIGKILL)  # files written, nothing hashed or committed
         return result
 
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original_write = FileSystemWriterAsync.write_preloaded_data
+
+    def dying_write(transform_list, index, bucket, *a, **k):
+        """--async-checkpoint: the rank dies as its writer thread begins the file."""
+        if dist.get_rank() == 1 and f"iter_{kill_rank_during_save_at:07d}.tmp" in str(bucket[0]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_write(transform_list, index, bucket, *a, **k)
+
+    if kill_rank_during_save_at is not None and args.async_checkpoint:
+        FileSystemWriterAsync.write_preloaded_data = staticmethod(dying_write)
     dist_checkpointing.save = dying_save
     if unwritable_rank_from is not None:
         # From that iteration on, this rank's shard files cannot be opened for writing, as on a
@@ -244,6 +247,7 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
             trainer.close()
     finally:
         dist_checkpointing.save = original_save
+        FileSystemWriterAsync.write_preloaded_data = original_write
     return out
 
 

@@ -16,22 +16,18 @@ Protocol (all ranks call ``save_checkpoint`` at the same iteration):
 A crash at any point before the commit leaves ``latest`` naming the previous checkpoint;
 the half-written ``.tmp`` directory is never loaded and is removed by the next save.
 
-``save_checkpoint`` runs the protocol in one call; ``AsyncCheckpointer`` runs step 2's
-writing and hashing in a background writer process and steps 3-4 when every rank's writer is
-done (see its docstring).
+``save_checkpoint`` runs the protocol in one call; ``async_save.AsyncCheckpointer`` runs step
+2's writing and hashing in the background and steps 3-4 once every rank's writer is done.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
 import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -181,94 +177,6 @@ def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None)
     except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
         error = f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
     return _commit(snapshot, shards, files, error)
-
-
-class AsyncCheckpointer:
-    """Saves whose writing, hashing and commit run in the background.
-
-    ``start`` costs the loop the sharded state dict, megatron-core's save planning and the
-    host copy of the state (on GPUs a device-to-host copy; on CPU the writer is forked, which
-    gives it a copy-on-write snapshot). A forked writer then writes this rank's files and
-    hashes them into ``__<rank>_sha256.json``. ``poll`` (collective: every rank calls it at the
-    same iterations) finishes a save whose writers are done on every rank: megatron-core's
-    finalization (its ``.metadata``; a write error on any rank is raised on every rank), then
-    the commit of ``_commit``. One save is in flight at most: ``start`` waits for the previous.
-    """
-
-    def __init__(self) -> None:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-        from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
-
-        self.queue = AsyncCallsQueue(persistent=False)
-        _get_write_results_queue()  # a spawned manager process: seconds, paid here, not in the first save
-        self.pending: _Snapshot | None = None
-        self._committed: list[SaveResult] = []
-
-    def start(self, trainer, save_dir: str | Path, keep_last: int | None = None) -> list[SaveResult]:
-        """Begin a save; returns the earlier saves this had to wait for, committed."""
-        done = self.wait()
-        snapshot = _begin(trainer, save_dir, keep_last)
-        rank = dist.get_rank()
-        state = sharded_training_state(trainer)
-        shards = shard_records(state)
-        request = dist_checkpointing.save(state, str(snapshot.tmp), async_sharded_save=True)
-        if request.async_fn is not None:
-            request = request._replace(async_fn=partial(_write_then_hash, request.async_fn, rank, str(snapshot.tmp)))
-        request.add_finalize_fn(partial(self._finalize, snapshot, shards))
-        self.queue.schedule_async_request(request)
-        self.pending = snapshot
-        return done
-
-    def _finalize(self, snapshot: _Snapshot, shards: list) -> None:
-        rank = dist.get_rank()
-        sidecar = snapshot.tmp / _sidecar_name(rank)
-        if sidecar.exists():
-            files = [FileRecord(**f) for f in json.loads(sidecar.read_text())]
-            sidecar.unlink()
-            if rank == 0:
-                files += [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size)
-                          for p in files_written_by(0, snapshot.tmp) if p.suffix != ".distcp"]
-        else:  # nothing for the writer on this rank
-            files = _hash_files(rank, snapshot.tmp)
-        self._committed.append(_commit(snapshot, shards, files, None))
-
-    def poll(self, blocking: bool = False) -> list[SaveResult]:
-        """Finish the saves whose writers are done everywhere (collective); their results."""
-        if self.pending is None:
-            return []
-        snapshot = self.pending
-        try:
-            self.queue.maybe_finalize_async_calls(blocking=blocking)
-        except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - the same on every rank
-            self.pending = None
-            raise CheckpointError(f"checkpoint {snapshot.tmp} not committed: {type(exc).__name__}: "
-                                  f"{_first_line(exc)}") from exc
-        if self.queue.get_num_unfinalized_calls() == 0:
-            self.pending = None
-        done, self._committed = self._committed, []
-        return done
-
-    def wait(self) -> list[SaveResult]:
-        return self.poll(blocking=True)
-
-    def close(self) -> list[SaveResult]:
-        done = self.wait()
-        self.queue.close()
-        return done
-
-
-def _sidecar_name(rank: int) -> str:
-    return f"__{rank}_sha256.json"
-
-
-def _write_then_hash(write, rank: int, directory: str, *args, **kwargs) -> None:
-    """In the forked writer: megatron-core's write, then the SHA-256 of this rank's files."""
-    write(*args, **kwargs)
-    directory = Path(directory)
-    records = [dataclasses.asdict(f) for f in _hash_files(rank, directory) if f.path.endswith(".distcp")]
-    tmp = directory / (_sidecar_name(rank) + ".tmp")
-    tmp.write_text(json.dumps(records))
-    os.replace(tmp, directory / _sidecar_name(rank))
 
 
 def _first_line(error: BaseException) -> str:

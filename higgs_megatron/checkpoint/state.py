@@ -22,6 +22,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -97,10 +98,29 @@ def tolerate_torch_adam_step():
         DistributedOptimizer._set_main_param_and_optimizer_states = original
 
 
+def spread_model_writes(model_sd: dict, dp_rank: int, dp_size: int) -> None:
+    """Model weights are replicated across DP, and megatron-core makes DP rank 0 the writer of
+    all of them, so it writes far more than the others (and, saving in the background, slows
+    the loop for longest). Give each weight to one DP rank instead, balancing bytes greedily,
+    largest first: the same assignment on every DP rank, which holds the same keys and shapes.
+    Only weights whose writer is DP rank 0 move; replica ids keep their other components."""
+    candidates = [v for v in nested_values(model_sd) if isinstance(v, ShardedTensor)
+                  and isinstance(v.replica_id, tuple) and all(r == 0 for r in v.replica_id[:-1])]
+    load = [0] * dp_size
+    for tensor in sorted(candidates, key=lambda t: (-t.data.numel() * t.data.element_size(), t.key,
+                                                     t.global_offset)):
+        writer = min(range(dp_size), key=lambda r: (load[r], r))
+        load[writer] += tensor.data.numel() * tensor.data.element_size()
+        tensor.replica_id = (*tensor.replica_id[:-1], (dp_rank - writer) % dp_size)
+
+
 def sharded_training_state(trainer, is_loading: bool = False, per_rank: bool = True) -> dict:
     """The sharded state dict of a Trainer; ``per_rank=False`` leaves out rng and residuals."""
     chunk = trainer.model[0].module
     model_sd = chunk.sharded_state_dict()
+    if not is_loading:
+        spread_model_writes(model_sd, parallel_state.get_data_parallel_rank(with_context_parallel=True),
+                            parallel_state.get_data_parallel_world_size(with_context_parallel=True))
     with owner_written_optimizer_state():
         optimizer_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
     if not per_rank:

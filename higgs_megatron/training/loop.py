@@ -33,7 +33,8 @@ from megatron.core.utils import check_param_hashes_across_dp_replicas, get_model
 
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
-from ..checkpoint.save import AsyncCheckpointer, SaveResult, save_checkpoint
+from ..checkpoint.async_save import AsyncCheckpointer
+from ..checkpoint.save import SaveResult, save_checkpoint
 from ..cpu import cpu_megatron
 from ..ddp import HiggsDDP, dense_bytes_per_step
 from ..optimizer import wrap_optimizer

@@ -1,0 +1,179 @@
+"""Asynchronous saves: the loop pays for the host copy; writing, hashing and commit happen later.
+
+Protocol (every rank, the same calls at the same iterations):
+
+1. ``start``: wait for the previous save (one in flight at most); then, in the loop's time,
+   save.py's step 1 (the ``.tmp`` directory), the sharded state dict, megatron-core's save
+   planning (in full for a run's first save; later saves reuse its validated plan, as
+   Megatron-LM's ``--ckpt-assume-constant-structure``), and the **host copy**: every tensor to
+   be written is copied to private host memory (a device-to-host copy on GPUs, a clone on CPU).
+2. A writer **thread** writes this rank's files from those copies and hashes them. A thread,
+   not megatron-core's forked process: a fork shares the training state copy-on-write, and
+   every page the next steps update is then copied by a page fault, which on CPU cost the
+   overlapped steps more than the whole synchronous save. The writer does no collective.
+3. ``poll`` (after every step): one all-reduce says whether every rank's writer is done. When
+   it is: megatron-core's finalization (``.metadata``; a write error on any rank is raised on
+   every rank as ``CheckpointError``), then save.py's commit (rank map, rename, ``latest``).
+4. ``close`` at the end of training waits for the save in flight and commits it.
+
+A crash before step 3's commit leaves ``latest`` on the previous checkpoint, as for a
+synchronous save.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.filesystem_async import (FileSystemWriterAsync,
+                                                                           _get_write_results_queue)
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+from .manifest import CheckpointError
+from .save import SaveResult, _begin, _commit, _first_line, _hash_files, _Snapshot
+from .state import shard_records, sharded_training_state
+
+
+class _ThreadCaller(AsyncCaller):
+    """megatron-core's ``AsyncCaller`` contract (schedule; collective done-check), run by a
+    thread of this process."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+
+    def schedule_async_call(self, async_req) -> None:
+        if async_req.async_fn is None:
+            return
+        args = list(async_req.async_fn_args)
+        if async_req.preload_fn:
+            args[1] = async_req.preload_fn()  # the host copy, in the loop's time
+        self.thread = threading.Thread(target=async_req.async_fn, args=args, kwargs=async_req.async_fn_kwargs,
+                                       name="higgs-checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        if blocking:
+            self.close()
+        alive = int(self.thread is not None and self.thread.is_alive())
+        done = not alive if no_dist else self.sync_all_async_calls(alive)
+        if done:
+            self.close()
+        return done
+
+    def close(self, abort: bool = False) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+class _ThreadCallsQueue(AsyncCallsQueue):
+    def _get_async_caller(self) -> AsyncCaller:
+        return _ThreadCaller()
+
+
+def _host_copies(write_buckets: list, live: set[int]) -> list:
+    """The write plan with every tensor that is still the training state's own memory copied:
+    megatron-core clones only CPU views, and moves device tensors to host."""
+    copied = []
+    for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+        tensor_data = [(item, tensor.to("cpu", copy=True) if not tensor.is_cpu or tensor.data_ptr() in live
+                        else tensor) for item, tensor in tensor_data]
+        copied.append((file_name, storage_key, (bytes_data, tensor_data)))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return copied
+
+
+class AsyncCheckpointer:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self.queue = _ThreadCallsQueue()
+        _get_write_results_queue()  # a spawned manager process: seconds, paid here, not in the first save
+        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1, cached_metadata=True)
+        self.validated = False
+        self.pending: _Snapshot | None = None
+        self._hashes: list | None = None
+        self._committed: list[SaveResult] = []
+
+    def start(self, trainer, save_dir: str | Path, keep_last: int | None = None) -> list[SaveResult]:
+        """Begin a save; returns the earlier save this had to wait for, if any, committed."""
+        done = self.wait()
+        snapshot = _begin(trainer, save_dir, keep_last)
+        state = sharded_training_state(trainer)
+        shards = shard_records(state)
+        live = {v.data.data_ptr() for v in nested_values(state)
+                if isinstance(v, ShardedBase) and isinstance(getattr(v, "data", None), torch.Tensor)}
+        request = dist_checkpointing.save(state, str(snapshot.tmp), sharded_strategy=self.strategy,
+                                          validate_access_integrity=not self.validated, async_sharded_save=True)
+        self.validated = True
+        self._hashes = None
+        if request.async_fn is not None:
+            write = request.async_fn  # partial(write_preloaded_data_multiproc, transform_list, use_msc)
+            if getattr(write, "func", None) != FileSystemWriterAsync.write_preloaded_data_multiproc:
+                raise RuntimeError(f"unexpected megatron-core async writer {write!r} (megatron-core is pinned)")
+            request = request._replace(
+                async_fn=partial(self._write_and_hash, write.args[0], snapshot.tmp),
+                preload_fn=partial(_host_copies, request.async_fn_args[1], live))
+        request.add_finalize_fn(partial(self._finalize, snapshot, shards))
+        self.queue.schedule_async_request(request)
+        self.pending = snapshot
+        return done
+
+    def _write_and_hash(self, transform_list, directory: Path, rank: int, write_buckets: list,
+                        results_queue) -> None:
+        """The writer thread: megatron-core's per-file writer for each bucket, then the
+        SHA-256 of this rank's files; results go where megatron-core's finalization reads them."""
+        results: dict | Exception = {}
+        local, count = queue.Queue(), queue.Queue()
+        for index, bucket in enumerate(write_buckets):
+            count.put(index)
+            FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, local, count, True)
+            _, written = local.get()
+            if isinstance(written, Exception):
+                results = written
+                break
+            results[index] = written
+        if not isinstance(results, Exception):
+            self._hashes = [f for f in _hash_files(rank, directory) if f.path.endswith(".distcp")]
+        results_queue.put(results)
+
+    def _finalize(self, snapshot: _Snapshot, shards: list) -> None:
+        rank = dist.get_rank()
+        written = self._hashes or []
+        others = [f for f in _hash_files(rank, snapshot.tmp) if not f.path.endswith(".distcp")]
+        self._committed.append(_commit(snapshot, shards, written + others, None))
+
+    def poll(self, blocking: bool = False) -> list[SaveResult]:
+        """Finish the save if its writers are done on every rank (collective); what committed."""
+        if self.pending is None:
+            return []
+        snapshot = self.pending
+        try:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - the same on every rank
+            self.pending = None
+            raise CheckpointError(f"checkpoint {snapshot.tmp} not committed: {type(exc).__name__}: "
+                                  f"{_first_line(exc)}") from exc
+        if self.queue.get_num_unfinalized_calls() == 0:
+            self.pending = None
+        done, self._committed = self._committed, []
+        return done
+
+    def wait(self) -> list[SaveResult]:
+        return self.poll(blocking=True)
+
+    def close(self) -> list[SaveResult]:
+        done = self.wait()
+        self.queue.close()
+        return done
