@@ -36,6 +36,9 @@ def test_defaults_fill_derived_fields():
     (["--seq-length", "256", "--max-position-embeddings", "128"], 1,
      "--seq-length 256 exceeds --max-position-embeddings 128"),
     (["--split", "100,0,0"], 1, "--split '100,0,0': expected three weights"),
+    (["--async-checkpoint"], 1, "--async-checkpoint needs --save DIR"),
+    (["--checkpoint-interval", "60"], 1, "--checkpoint-interval needs --save DIR"),
+    (["--save", "/tmp/x", "--checkpoint-interval", "0"], 1, "--checkpoint-interval must be positive, got 0.0"),
 ])
 def test_bad_input_is_named(argv, world_size, message):
     with pytest.raises(UsageError) as info:

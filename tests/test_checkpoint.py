@@ -156,6 +156,16 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, mode, tin
     assert (tmp_path / "latest").read_text().strip() == "4"
 
 
+def test_checkpoint_interval_saves_by_wall_clock(tmp_path, tiny_gpt_args):
+    """An interval shorter than a step: every iteration is due, decided together (a rank whose
+    clock disagreed would hang the save's collectives)."""
+    argv = tiny_gpt_args + COMMON + ["--train-iters", "3", "--save", str(tmp_path), "--checkpoint-interval", "1e-6",
+                                     "--async-checkpoint"]
+    run_ranks(run_trainer, 2, args=(argv,))
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000001", "iter_0000002", "iter_0000003"]
+    assert (tmp_path / "latest").read_text().strip() == "3"
+
+
 def test_rank_map_describes_every_rank(tmp_path, tiny_gpt_args):
     run_ranks(run_trainer, 4, args=(tiny_gpt_args + COMMON + ["--tensor-model-parallel-size", "2", "--train-iters", "1",
                                                               "--save", str(tmp_path), "--keep-last", "1"] + HIGGS,))
