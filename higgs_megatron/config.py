@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 
 COMPRESSORS = ("topk", "sampled-topk", "none")
-SYNC_MODES = ("auto", "dense", "sparse")
+SYNC_MODES = ("auto", "dense", "sparse", "hierarchical")
 
 
 @dataclass
@@ -39,7 +39,8 @@ class HiggsConfig:
 
     sync: str = "auto"
     """Per bucket: 'sparse' always compresses; 'dense' never; 'auto' compresses a bucket only
-    when its sparse payload is smaller than the dense bucket."""
+    when its sparse payload is smaller than the dense bucket; 'hierarchical' reduces densely
+    inside each node and compresses only across nodes (``reduce.hierarchical``)."""
 
     def __post_init__(self) -> None:
         if not (0.0 < self.compression_ratio <= 1.0) or math.isnan(self.compression_ratio):

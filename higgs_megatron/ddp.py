@@ -47,7 +47,9 @@ from .compress.error_feedback import ResidualBuffer
 from .compress.plan import BucketPlan, ParamSlot
 from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
+from .reduce import hierarchical
 from .reduce.sparse_allreduce import PendingSparseReduce, launch_sparse_allreduce
+from .topology import NodeGroups, build_node_groups
 
 
 def dense_bytes_per_step(model: DistributedDataParallel) -> int:
@@ -89,6 +91,7 @@ class _Shared:
     stats: SyncStats = field(default_factory=SyncStats)
     trace: list[tuple[str, int]] | None = None
     check_nonfinite: bool = False
+    nodes: NodeGroups | None = None  # with sync="hierarchical"
 
 
 class _GroupHandle:
@@ -138,19 +141,26 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_steps = 0
         self.higgs_saw_nonfinite = False
         config = shared.config
+        nodes = shared.nodes
         self.higgs_plans, self.higgs_residuals = [], []
         for bucket in self.buckets:
             compressible = (config.compressor != "none" and config.sync != "dense"
-                            and bucket.grad_data.numel() >= config.min_bucket_numel)
+                            and bucket.grad_data.numel() >= config.min_bucket_numel
+                            and not (nodes is not None and nodes.single_node))
             if not compressible:
                 self.higgs_plans.append(None)
                 self.higgs_residuals.append(None)
                 continue
+            numel = bucket.grad_data.numel()
             slots = [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list]
-            self.higgs_plans.append(BucketPlan(bucket.grad_data.numel(), slots, config.min_param_numel,
-                                               bucket.grad_data.device))
+            if nodes is not None:  # select within this rank's slice of the node-reduced bucket
+                lo, hi = hierarchical.slice_range(numel, nodes.ranks_per_node, nodes.local_index)
+                slots = [ParamSlot(max(s.start, lo) - lo, min(s.end, hi) - lo) for s in slots
+                         if s.end > lo and s.start < hi]
+                numel = hi - lo
+            self.higgs_plans.append(BucketPlan(numel, slots, config.min_param_numel, bucket.grad_data.device))
             self.higgs_residuals.append(
-                ResidualBuffer(bucket.grad_data.numel(), bucket.grad_data.dtype, bucket.grad_data.device)
+                ResidualBuffer(numel, bucket.grad_data.dtype, bucket.grad_data.device)
                 if config.error_feedback else None)
 
     @property
@@ -196,6 +206,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             residual = self.higgs_residuals[idx]
             size = None if force_all_reduce else self._sparse_payload(self.higgs_plans[idx], density, grad)
             stats.dense_bytes += grad.numel() * grad.element_size()
+            if size is not None and shared.nodes is not None:
+                sparse.append(self._launch_hierarchical(idx, grad, density, stats, async_op))
+                continue
             started = time.perf_counter()
             if residual is not None:
                 residual.accumulate(grad)
@@ -225,6 +238,25 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         else:
             handle.wait()
             self.grad_reduce_handle = None
+
+    def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, stats: SyncStats,
+                             async_op: bool) -> hierarchical.PendingHierarchical:
+        """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes."""
+        nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
+        work, piece = hierarchical.node_reduce_scatter(grad, nodes.intra)
+        started = time.perf_counter()
+        if residual is not None:
+            residual.accumulate(piece)
+        sparse_grad = compress(piece, plan, density, self.higgs.selector, key=(self.higgs_index, idx))
+        if residual is not None:
+            residual.stage(piece, sparse_grad.sent)
+        stats.compress_seconds += time.perf_counter() - started
+        # Bytes handed to collectives: the node's reduce-scatter and all-gather, and the payload.
+        node_bytes = 2 * (work.numel() - piece.numel()) * work.element_size()
+        stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
+        stats.sparse_buckets += 1
+        return hierarchical.launch(plan.always_positions, sparse_grad.always, sparse_grad.positions,
+                                   sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:
@@ -264,6 +296,11 @@ class HiggsDDP(DistributedDataParallel):
         selector = None if self.higgs_config.compressor == "none" else make_selector(
             self.higgs_config.compressor, seed=dist.get_rank())
         self._higgs = _Shared(config=self.higgs_config, selector=selector)
+        if self.higgs_config.sync == "hierarchical":
+            # Collective over the whole world: every rank builds its HiggsDDP chunks together.
+            self._higgs.nodes = build_node_groups(
+                self.bucket_groups[0].intra_distributed_optimizer_instance_group
+                if ddp_config.use_distributed_optimizer else self.bucket_groups[0].data_parallel_group)
         for index, group in enumerate(self.bucket_groups):
             group.__class__ = HiggsBucketGroup
             group._higgs_attach(self._higgs, index)

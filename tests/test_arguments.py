@@ -37,6 +37,8 @@ def test_defaults_fill_derived_fields():
      "--seq-length 256 exceeds --max-position-embeddings 128"),
     (["--split", "100,0,0"], 1, "--split '100,0,0': expected three weights"),
     (["--async-checkpoint"], 1, "--async-checkpoint needs --save DIR"),
+    (["--optimizer", "sgd", "--use-distributed-optimizer"], 1,
+     "--optimizer sgd: megatron-core's --use-distributed-optimizer supports adam only"),
     (["--checkpoint-interval", "60"], 1, "--checkpoint-interval needs --save DIR"),
     (["--save", "/tmp/x", "--checkpoint-interval", "0"], 1, "--checkpoint-interval must be positive, got 0.0"),
 ])

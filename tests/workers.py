@@ -285,3 +285,29 @@ def optimizer_state_both_ways(argv: list[str]) -> dict:
         trainer.close()
     keep = lambda pieces: {k: v for k, v in pieces.items() if k.startswith("optimizer.state.")}  # noqa: E731
     return {"megatron": keep(megatron), "ours": keep(ours)}
+
+
+def on_simulated_nodes(ranks_per_node: int, fn, *args):
+    """Run ``fn(*args)`` with this rank placed on node ``rank // ranks_per_node`` (the override
+    of higgs_megatron.topology)."""
+    import os
+
+    os.environ["HIGGS_NODE_ID"] = str(int(os.environ["RANK"]) // ranks_per_node)
+    return fn(*args)
+
+
+def node_groups_of_world() -> dict:
+    """build_node_groups over the whole world as one DP group: what this rank got."""
+    import torch.distributed as dist
+
+    from higgs_megatron.topology import TopologyError, build_node_groups
+
+    dist.init_process_group("gloo")
+    try:
+        groups = build_node_groups(dist.group.WORLD)
+    except TopologyError as error:
+        return {"error": str(error)}
+    finally:
+        dist.barrier()
+    return {"intra": dist.get_process_group_ranks(groups.intra), "inter": dist.get_process_group_ranks(groups.inter),
+            "nodes": groups.nodes, "ranks_per_node": groups.ranks_per_node, "local_index": groups.local_index}
