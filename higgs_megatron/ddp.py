@@ -207,7 +207,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             size = None if force_all_reduce else self._sparse_payload(self.higgs_plans[idx], density, grad)
             stats.dense_bytes += grad.numel() * grad.element_size()
             if size is not None and shared.nodes is not None:
-                sparse.append(self._launch_hierarchical(idx, grad, density, stats, async_op))
+                sparse.append(self._launch_hierarchical(idx, grad, density, size, stats, async_op))
                 continue
             started = time.perf_counter()
             if residual is not None:
@@ -239,8 +239,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             handle.wait()
             self.grad_reduce_handle = None
 
-    def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, stats: SyncStats,
-                             async_op: bool) -> hierarchical.PendingHierarchical:
+    def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, payload_bytes: int,
+                             stats: SyncStats, async_op: bool) -> hierarchical.PendingHierarchical:
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
         work, piece = hierarchical.node_reduce_scatter(grad, nodes.intra)
@@ -253,7 +253,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         stats.compress_seconds += time.perf_counter() - started
         # Bytes handed to collectives: the node's reduce-scatter and all-gather, and the payload.
         node_bytes = 2 * (work.numel() - piece.numel()) * work.element_size()
-        stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
+        stats.bytes_sent += payload_bytes + node_bytes
         stats.sparse_buckets += 1
         return hierarchical.launch(plan.always_positions, sparse_grad.always, sparse_grad.positions,
                                    sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op)

@@ -2,7 +2,7 @@
 
 Protocol (every rank, the same calls at the same iterations):
 
-1. ``start``: wait for the previous save (one in flight at most); then, in the loop's time,
+1. ``start`` (after ``wait`` for the previous save: one in flight at most), in the loop's time:
    save.py's step 1 (the ``.tmp`` directory), the sharded state dict, megatron-core's save
    planning (in full for a run's first save; later saves reuse its validated plan, as
    Megatron-LM's ``--ckpt-assume-constant-structure``), and the **host copy**: every tensor to
@@ -40,7 +40,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import (FileSy
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from .manifest import CheckpointError
-from .save import SaveResult, _begin, _commit, _first_line, _hash_files, _Snapshot
+from .save import SaveResult, _begin, _commit, _first_line, _hash_files, _Snapshot, common_files, shard_files
 from .state import shard_records, sharded_training_state
 
 
@@ -106,9 +106,11 @@ class AsyncCheckpointer:
         self._hashes: list | None = None
         self._committed: list[SaveResult] = []
 
-    def start(self, trainer, save_dir: str | Path, keep_last: int | None = None) -> list[SaveResult]:
-        """Begin a save; returns the earlier save this had to wait for, if any, committed."""
-        done = self.wait()
+    def start(self, trainer, save_dir: str | Path, keep_last: int | None = None) -> None:
+        """Begin a save. The previous one must be finished first (``wait``): its commit is
+        the caller's to report."""
+        if self.pending is not None:
+            raise RuntimeError("a checkpoint save is in flight: wait() for it before starting the next")
         snapshot = _begin(trainer, save_dir, keep_last)
         state = sharded_training_state(trainer)
         shards = shard_records(state)
@@ -128,7 +130,6 @@ class AsyncCheckpointer:
         request.add_finalize_fn(partial(self._finalize, snapshot, shards))
         self.queue.schedule_async_request(request)
         self.pending = snapshot
-        return done
 
     def _write_and_hash(self, transform_list, directory: Path, rank: int, write_buckets: list,
                         results_queue) -> None:
@@ -145,14 +146,13 @@ class AsyncCheckpointer:
                 break
             results[index] = written
         if not isinstance(results, Exception):
-            self._hashes = [f for f in _hash_files(rank, directory) if f.path.endswith(".distcp")]
+            self._hashes = _hash_files(shard_files(rank, directory))
         results_queue.put(results)
 
     def _finalize(self, snapshot: _Snapshot, shards: list) -> None:
-        rank = dist.get_rank()
-        written = self._hashes or []
-        others = [f for f in _hash_files(rank, snapshot.tmp) if not f.path.endswith(".distcp")]
-        self._committed.append(_commit(snapshot, shards, written + others, None))
+        # The writer hashed the shard files; only rank 0's small common files are hashed here.
+        common = _hash_files(common_files(dist.get_rank(), snapshot.tmp))
+        self._committed.append(_commit(snapshot, shards, (self._hashes or []) + common, None))
 
     def poll(self, blocking: bool = False) -> list[SaveResult]:
         """Finish the save if its writers are done on every rank (collective); what committed."""

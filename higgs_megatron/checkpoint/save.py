@@ -70,11 +70,14 @@ def current_coords() -> dict[str, int]:
             "ep": parallel_state.get_expert_model_parallel_rank()}
 
 
-def files_written_by(rank: int, directory: Path) -> list[Path]:
-    own = sorted(directory.glob(f"__{rank}_*.distcp"))
-    if rank == 0:
-        own += [directory / name for name in COMMON_FILES if (directory / name).exists()]
-    return own
+def shard_files(rank: int, directory: Path) -> list[Path]:
+    """The torch_dist files of this rank's tensor shards."""
+    return sorted(directory.glob(f"__{rank}_*.distcp"))
+
+
+def common_files(rank: int, directory: Path) -> list[Path]:
+    """megatron-core's metadata and common state: rank 0 writes them."""
+    return [directory / name for name in COMMON_FILES if (directory / name).exists()] if rank == 0 else []
 
 
 @dataclass
@@ -126,9 +129,8 @@ def _begin(trainer, save_dir: str | Path, keep_last: int | None) -> _Snapshot:
     return snapshot
 
 
-def _hash_files(rank: int, directory: Path) -> list[FileRecord]:
-    return [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size)
-            for p in files_written_by(rank, directory)]
+def _hash_files(paths: list[Path]) -> list[FileRecord]:
+    return [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size) for p in paths]
 
 
 def _commit(snapshot: _Snapshot, shards: list, files: list[FileRecord], error: str | None) -> SaveResult:
@@ -173,7 +175,7 @@ def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None)
     error, files = None, []
     try:
         dist_checkpointing.save(state, str(snapshot.tmp))
-        files = _hash_files(rank, snapshot.tmp)
+        files = _hash_files(shard_files(rank, snapshot.tmp) + common_files(rank, snapshot.tmp))
     except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
         error = f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
     return _commit(snapshot, shards, files, error)
