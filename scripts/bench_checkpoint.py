@@ -12,8 +12,8 @@ same iteration, in six ways:
   ``--ckpt-assume-constant-structure`` (planned and validated once, as ours).
 
 For each: the **stall** (the loop is blocked in the save call), the **slowdown** of the
-training steps that run while the background write is in flight (their time, including the
-per-step completion check, minus the median step time without a save), and the **total** time
+training steps that run while the background write is in flight (their time minus the median
+step time without a save, plus every completion check, the finalization and commit included), and the **total** time
 from the start of the save until it is committed. Each is the median of ``--repeats`` saves, the
 slowest rank's. Ratios are to the synchronous save of the same format. Writes
 ``checkpoint.md`` and ``checkpoint.png`` into ``--out``.
@@ -148,11 +148,17 @@ def worker(flags: list[str], out: Path, repeats: int) -> None:
                 method.start(out / "ckpt" / f"{name.replace(' ', '_')}_{repeat}")
                 stall = time.perf_counter() - started
                 slowdown, steps = 0.0, 0
-                while not method.done():
+                while True:
+                    # The completion check (and, when it finds the writers done, the finalization
+                    # and commit) runs in the loop's time: it counts, as the steps' extra time does.
+                    checked = time.perf_counter()
+                    finished = method.done()
+                    slowdown += time.perf_counter() - checked
+                    if finished:
+                        break
                     slowdown += _step(trainer) - baseline
                     steps += 1
                 total = time.perf_counter() - started
-                # the completion check of the step that found the save done counts too
                 measured[name].append([stall, slowdown, total, steps])
                 for _ in range(2):  # settle before the next save
                     _step(trainer)
