@@ -37,7 +37,8 @@ def main() -> None:
         gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
                        max_sequence_length=SEQ)
 
-        higgs = HiggsConfig(compression_ratio=0.01)                                      # 1
+        # sync="sparse": on one host the links are fast and the default "auto" would stay dense
+        higgs = HiggsConfig(compression_ratio=0.01, sync="sparse")                       # 1
         model = HiggsDDP(config, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=100_000),
                          gpt, higgs_config=higgs)                                        # 2
         optimizer = wrap_optimizer(get_megatron_optimizer(OptimizerConfig(lr=3e-3), [model]), [model])  # 3

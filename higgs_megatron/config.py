@@ -38,9 +38,17 @@ class HiggsConfig:
     """Buckets smaller than this stay dense (Megatron's own collective)."""
 
     sync: str = "auto"
-    """Per bucket: 'sparse' always compresses; 'dense' never; 'auto' compresses a bucket only
-    when its sparse payload is smaller than the dense bucket; 'hierarchical' reduces densely
-    inside each node and compresses only across nodes (``reduce.hierarchical``)."""
+    """Per bucket: 'sparse' always compresses; 'dense' never; 'hierarchical' reduces densely
+    inside each node and compresses only across nodes (``reduce.hierarchical``); 'auto' takes
+    whichever of dense, sparse and hierarchical ``cost_model`` predicts fastest, from link
+    costs measured at start-up."""
+
+    link_gbps: float | None = None
+    """Under 'auto': skip the start-up measurement of the links and assume ideal rings at
+    this many Gbit/s (compression is still timed). For tests and what-if planning."""
+
+    node_link_gbps: float | None = None
+    """With ``link_gbps``: the links inside a node, when the group spans nodes (default: the same)."""
 
     def __post_init__(self) -> None:
         if not (0.0 < self.compression_ratio <= 1.0) or math.isnan(self.compression_ratio):
@@ -49,6 +57,14 @@ class HiggsConfig:
             raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)}; got {self.compressor!r}")
         if self.sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {', '.join(SYNC_MODES)}; got {self.sync!r}")
+        for name in ("link_gbps", "node_link_gbps"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of Gbit/s, got {value}")
+        if self.node_link_gbps is not None and self.link_gbps is None:
+            raise ValueError("node_link_gbps needs link_gbps (the links between nodes) too")
+        if self.link_gbps is not None and self.sync != "auto":
+            raise ValueError(f"link_gbps is what sync='auto' plans with; sync is {self.sync!r}")
         for name in ("density_warmup_iters", "min_param_numel", "min_bucket_numel"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
@@ -70,6 +86,8 @@ _FLAG_OF_FIELD = {
     "min_param_numel": "--higgs-min-param-numel",
     "min_bucket_numel": "--higgs-min-bucket-numel",
     "sync": "--higgs-sync",
+    "link_gbps": "--higgs-link-gbps",
+    "node_link_gbps": "--higgs-node-link-gbps",
 }
 
 
@@ -90,7 +108,11 @@ def add_higgs_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--higgs-min-bucket-numel", type=int, default=defaults.min_bucket_numel,
                    help="buckets smaller than this stay dense")
     g.add_argument("--higgs-sync", choices=SYNC_MODES, default=defaults.sync,
-                   help="auto: compress a bucket only when its payload is smaller than dense")
+                   help="auto: per bucket, the path a cost model of the measured links predicts fastest")
+    g.add_argument("--higgs-link-gbps", type=float, default=defaults.link_gbps,
+                   help="with --higgs-sync auto: assume links of this many Gbit/s instead of measuring them")
+    g.add_argument("--higgs-node-link-gbps", type=float, default=defaults.node_link_gbps,
+                   help="with --higgs-link-gbps: the links inside a node (default: the same)")
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                    help="every N iterations verify that all DP replicas hold identical parameters")
     return parser
@@ -106,6 +128,8 @@ def higgs_config_from_args(args: argparse.Namespace) -> HiggsConfig:
         min_param_numel=args.higgs_min_param_numel,
         min_bucket_numel=args.higgs_min_bucket_numel,
         sync=args.higgs_sync,
+        link_gbps=args.higgs_link_gbps,
+        node_link_gbps=args.higgs_node_link_gbps,
     )
     try:
         return HiggsConfig(**values)

@@ -14,9 +14,12 @@ Per bucket group, per step (once, on the accumulated gradient, never per micro-b
 
 1. Megatron's scaling (``gradient_scaling_factor``) and NaN checks, as before.
 2. For each bucket, a path: *dense* (Megatron's own all-reduce, or reduce-scatter with
-   the distributed optimizer) or *sparse* (``compress.compressor`` -> ``reduce.sparse_allreduce``).
-   The path depends only on the config, the bucket size and the step, so every DP peer
-   issues the same collectives in the same order with the same sizes.
+   the distributed optimizer), *sparse* (``compress.compressor`` -> ``reduce.sparse_allreduce``)
+   or *hierarchical* (``reduce.hierarchical``). Under ``sync="auto"`` the path is the one
+   ``cost_model`` predicts fastest from costs measured at construction (``reduce.link_probe``)
+   and agreed by all DP ranks. The path depends only on the config, those agreed costs, the
+   bucket and the step's density, so every DP peer issues the same collectives in the same
+   order with the same sizes.
 3. With error feedback, ``acc = grad + residual`` on both paths; the residual left for the
    next step is staged, and commits when the next step starts unless the step is rolled
    back (``rollback_residuals``: every rank skipped it).
@@ -47,7 +50,9 @@ from .compress.error_feedback import ResidualBuffer
 from .compress.plan import BucketPlan, ParamSlot
 from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
+from .cost_model import BucketShape, LinkCosts, cheapest, predict
 from .reduce import hierarchical
+from .reduce.link_probe import measure_link_costs
 from .reduce.sparse_allreduce import PendingSparseReduce, launch_sparse_allreduce
 from .topology import NodeGroups, build_node_groups
 
@@ -91,7 +96,8 @@ class _Shared:
     stats: SyncStats = field(default_factory=SyncStats)
     trace: list[tuple[str, int]] | None = None
     check_nonfinite: bool = False
-    nodes: NodeGroups | None = None  # with sync="hierarchical"
+    nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical"
+    costs: LinkCosts | None = None  # with sync="auto"
 
 
 class _GroupHandle:
@@ -140,43 +146,103 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_index = index
         self.higgs_steps = 0
         self.higgs_saw_nonfinite = False
+        self.higgs_paths: dict[tuple[int, float], str] = {}
         config = shared.config
         nodes = shared.nodes
-        self.higgs_plans, self.higgs_residuals = [], []
+        # Per bucket: the compressed form it may take ('sparse', 'hierarchical', or None for
+        # always dense), the plan(s) of its candidate forms, and its slice in the node.
+        self.higgs_forms: list[str | None] = []
+        self.higgs_candidates: list[dict[str, BucketPlan]] = []
+        self.higgs_slices: list[tuple[int, int] | None] = []
         for bucket in self.buckets:
-            compressible = (config.compressor != "none" and config.sync != "dense"
-                            and bucket.grad_data.numel() >= config.min_bucket_numel
-                            and not (nodes is not None and nodes.single_node))
-            if not compressible:
-                self.higgs_plans.append(None)
-                self.higgs_residuals.append(None)
-                continue
             numel = bucket.grad_data.numel()
+            compressible = (config.compressor != "none" and config.sync != "dense"
+                            and numel >= config.min_bucket_numel
+                            and not (config.sync == "hierarchical" and nodes.single_node))
+            forms = {"auto": ("sparse", "hierarchical"), "sparse": ("sparse",),
+                     "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
             slots = [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list]
-            if nodes is not None:  # select within this rank's slice of the node-reduced bucket
+            device = bucket.grad_data.device
+            candidates = {}
+            if "sparse" in forms:
+                candidates["sparse"] = BucketPlan(numel, slots, config.min_param_numel, device)
+            hierarchy = nodes is not None and (config.sync == "hierarchical"
+                                               or (nodes.nodes > 1 and nodes.ranks_per_node > 1))
+            if "hierarchical" in forms and hierarchy:  # select within this rank's slice of the node-reduced bucket
                 lo, hi = hierarchical.slice_range(numel, nodes.ranks_per_node, nodes.local_index)
-                slots = [ParamSlot(max(s.start, lo) - lo, min(s.end, hi) - lo) for s in slots
-                         if s.end > lo and s.start < hi]
-                numel = hi - lo
-            self.higgs_plans.append(BucketPlan(numel, slots, config.min_param_numel, bucket.grad_data.device))
+                candidates["hierarchical"] = BucketPlan(
+                    hi - lo, [ParamSlot(max(s.start, lo) - lo, min(s.end, hi) - lo) for s in slots
+                              if s.end > lo and s.start < hi], config.min_param_numel, device)
+                self.higgs_slices.append((lo, min(hi, numel)))
+            else:
+                self.higgs_slices.append(None)
+            self.higgs_candidates.append(candidates)
+            self.higgs_forms.append(next(iter(candidates), None))
+        self._higgs_make_residuals()
+
+    def _higgs_make_residuals(self) -> None:
+        self.higgs_residuals = []
+        for idx, bucket in enumerate(self.buckets):
+            plan = self.higgs_plans[idx]
             self.higgs_residuals.append(
-                ResidualBuffer(numel, bucket.grad_data.dtype, bucket.grad_data.device)
-                if config.error_feedback else None)
+                ResidualBuffer(plan.numel, bucket.grad_data.dtype, bucket.grad_data.device)
+                if plan is not None and self.higgs.config.error_feedback else None)
+
+    @property
+    def higgs_plans(self) -> list[BucketPlan | None]:
+        return [None if form is None else candidates[form]
+                for form, candidates in zip(self.higgs_forms, self.higgs_candidates)]
+
+    def _higgs_shape(self, idx: int, density: float, forms: tuple[str, ...]) -> BucketShape:
+        grad, candidates = self.buckets[idx].grad_data, self.higgs_candidates[idx]
+        flat, piece = candidates.get("sparse"), candidates.get("hierarchical")
+        return BucketShape(
+            bucket_bytes=grad.numel() * grad.element_size(), numel=grad.numel(),
+            flat_payload_bytes=flat.payload_bytes(density, grad.dtype) if flat and "sparse" in forms else None,
+            slice_numel=piece.numel if piece else 0,
+            slice_payload_bytes=piece.payload_bytes(density, grad.dtype)
+            if piece and "hierarchical" in forms else None,
+            ranks_per_node=self.higgs.nodes.ranks_per_node if piece else 1)
+
+    def _higgs_choose_forms(self, costs: LinkCosts) -> list[dict]:
+        """Under 'auto': give each bucket the cheaper compressed form at the target density
+        (and drop the other plan). Returns what was decided, for the start-up log."""
+        density = self.higgs.config.compression_ratio
+        report = []
+        for idx, candidates in enumerate(self.higgs_candidates):
+            grad = self.buckets[idx].grad_data
+            entry = {"bucket": f"group{self.higgs_index}.bucket{idx}", "numel": grad.numel(), "path": "dense",
+                     "predicted_ms": {}}
+            if candidates:
+                predicted = predict(costs, self._higgs_shape(idx, density, tuple(candidates)))
+                form = cheapest(predicted, allowed=tuple(candidates))
+                self.higgs_candidates[idx] = {form: candidates[form]}
+                self.higgs_forms[idx] = form
+                if form != "hierarchical":
+                    self.higgs_slices[idx] = None
+                entry["path"] = cheapest(predicted, allowed=("dense", form))
+                entry["predicted_ms"] = {path: round(seconds * 1e3, 3) for path, seconds in predicted.items()}
+            report.append(entry)
+        self._higgs_make_residuals()
+        return report
+
+    def _higgs_path(self, idx: int, density: float) -> str:
+        """This step's path for bucket ``idx``: the same on every DP peer (it depends only on
+        the config, the agreed costs, the bucket and the density)."""
+        form = self.higgs_forms[idx]
+        if form is None or self.higgs.costs is None:
+            return form or "dense"
+        key = (idx, density)
+        if key not in self.higgs_paths:
+            predicted = predict(self.higgs.costs, self._higgs_shape(idx, density, (form,)))
+            self.higgs_paths[key] = cheapest(predicted, allowed=("dense", form))
+        return self.higgs_paths[key]
 
     @property
     def _communication_group(self) -> dist.ProcessGroup:
         if self.ddp_config.use_distributed_optimizer:
             return self.intra_distributed_optimizer_instance_group
         return self.data_parallel_group
-
-    def _sparse_payload(self, plan: BucketPlan | None, density: float, grad: torch.Tensor) -> int | None:
-        """Payload bytes for this bucket this step, or None when the bucket goes dense."""
-        if plan is None:
-            return None
-        size = plan.payload_bytes(density, grad.dtype)
-        if self.higgs.config.sync == "auto" and size >= grad.numel() * grad.element_size():
-            return None
-        return size
 
     def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         if self.is_first_batch and self.grad_reduce_handle is not None:
@@ -204,15 +270,16 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         for idx, bucket in enumerate(self.buckets):
             grad = bucket.grad_data
             residual = self.higgs_residuals[idx]
-            size = None if force_all_reduce else self._sparse_payload(self.higgs_plans[idx], density, grad)
+            path = "dense" if force_all_reduce else self._higgs_path(idx, density)
             stats.dense_bytes += grad.numel() * grad.element_size()
-            if size is not None and shared.nodes is not None:
-                sparse.append(self._launch_hierarchical(idx, grad, density, size, stats, async_op))
+            if path == "hierarchical":
+                sparse.append(self._launch_hierarchical(idx, grad, density, stats, async_op))
                 continue
             started = time.perf_counter()
-            if residual is not None:
-                residual.accumulate(grad)
-            if size is None:
+            if residual is not None:  # a hierarchical form's residual covers this rank's slice
+                lo, hi = self.higgs_slices[idx] or (0, grad.numel())
+                residual.accumulate(grad[lo:hi])
+            if path == "dense":
                 if residual is not None:
                     residual.stage_all_sent()
                 stats.compress_seconds += time.perf_counter() - started
@@ -225,7 +292,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if residual is not None:
                 residual.stage(grad, sparse_grad.sent)
             stats.compress_seconds += time.perf_counter() - started
-            stats.bytes_sent += size
+            stats.bytes_sent += plan.payload_bytes(density, grad.dtype)
             stats.sparse_buckets += 1
             sparse.append(launch_sparse_allreduce(plan.always_positions, sparse_grad.always, sparse_grad.positions,
                                                   sparse_grad.values, grad, group, async_op=async_op))
@@ -239,8 +306,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             handle.wait()
             self.grad_reduce_handle = None
 
-    def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, payload_bytes: int,
-                             stats: SyncStats, async_op: bool) -> hierarchical.PendingHierarchical:
+    def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, stats: SyncStats,
+                             async_op: bool) -> hierarchical.PendingHierarchical:
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
         work, piece = hierarchical.node_reduce_scatter(grad, nodes.intra)
@@ -253,7 +320,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         stats.compress_seconds += time.perf_counter() - started
         # Bytes handed to collectives: the node's reduce-scatter and all-gather, and the payload.
         node_bytes = 2 * (work.numel() - piece.numel()) * work.element_size()
-        stats.bytes_sent += payload_bytes + node_bytes
+        stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
         stats.sparse_buckets += 1
         return hierarchical.launch(plan.always_positions, sparse_grad.always, sparse_grad.positions,
                                    sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op)
@@ -296,14 +363,30 @@ class HiggsDDP(DistributedDataParallel):
         selector = None if self.higgs_config.compressor == "none" else make_selector(
             self.higgs_config.compressor, seed=dist.get_rank())
         self._higgs = _Shared(config=self.higgs_config, selector=selector)
-        if self.higgs_config.sync == "hierarchical":
+        dp_group = (self.bucket_groups[0].intra_distributed_optimizer_instance_group
+                    if ddp_config.use_distributed_optimizer else self.bucket_groups[0].data_parallel_group)
+        if self.higgs_config.sync in ("auto", "hierarchical") and self.higgs_config.compressor != "none":
             # Collective over the whole world: every rank builds its HiggsDDP chunks together.
-            self._higgs.nodes = build_node_groups(
-                self.bucket_groups[0].intra_distributed_optimizer_instance_group
-                if ddp_config.use_distributed_optimizer else self.bucket_groups[0].data_parallel_group)
+            self._higgs.nodes = build_node_groups(dp_group)
         for index, group in enumerate(self.bucket_groups):
             group.__class__ = HiggsBucketGroup
             group._higgs_attach(self._higgs, index)
+        self.higgs_sync_report: list[dict] = []
+        if self.higgs_config.sync == "auto" and self.higgs_config.compressor != "none":
+            plans = [plan for group in self.bucket_groups for plan in group.higgs_plans if plan is not None]
+            self._higgs.costs = measure_link_costs(
+                dp_group, self._higgs.nodes, ddp_config.use_distributed_optimizer,
+                max(plans, key=lambda plan: plan.numel, default=None), self.higgs_config.compression_ratio,
+                self.higgs_config.compressor, self.higgs_config.error_feedback, self.bucket_groups[0].buckets[0]
+                .grad_data.device, assume_gbps=self.higgs_config.link_gbps,
+                assume_node_gbps=self.higgs_config.node_link_gbps)
+            self.higgs_sync_report = [entry for group in self.bucket_groups
+                                      for entry in group._higgs_choose_forms(self._higgs.costs)]
+
+    @property
+    def link_costs(self) -> LinkCosts | None:
+        """The agreed costs behind 'auto' (None under the other sync modes)."""
+        return self._higgs.costs
 
     # --- what the loop, the optimizer wrapper and the tests ask of it -----------------
 

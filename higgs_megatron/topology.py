@@ -41,7 +41,7 @@ class NodeGroups:
     """This rank's place in the two-level layout of its data-parallel group."""
 
     intra: dist.ProcessGroup
-    inter: dist.ProcessGroup
+    inter: dist.ProcessGroup | None  # None on a single node
     nodes: int
     ranks_per_node: int
     local_index: int  # this rank's place in its intra-node group
@@ -76,6 +76,11 @@ def build_node_groups(dp_group: dist.ProcessGroup) -> NodeGroups:
         if len(set(sizes)) != 1:
             raise TopologyError(f"data-parallel group {list(ranks)} has {sizes} ranks on its {len(sizes)} nodes: "
                                 "the hierarchical sync needs the same number on every node")
+        if len(per_node) == 1:  # one node: no new groups, the DP group is the node's
+            if me in ranks:
+                mine = NodeGroups(intra=dp_group, inter=None, nodes=1, ranks_per_node=sizes[0],
+                                  local_index=per_node[0].index(me))
+            continue
         intra = [dist.new_group(members) for members in per_node]
         inter = [dist.new_group([members[i] for members in per_node]) for i in range(sizes[0])]
         if me in ranks:

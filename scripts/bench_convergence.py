@@ -31,7 +31,7 @@ def main() -> int:
     common = ["--train-iters", str(args.train_iters), "--log-interval", "10",
               "--eval-interval", str(max(1, args.train_iters // 12)), "--eval-iters", "10",
               "--overlap-grad-reduce", "--ddp-bucket-size", "250000", *args.extra]
-    higgs = ["--use-higgs", "--higgs-compression-ratio", str(args.density)]
+    higgs = ["--use-higgs", "--higgs-compression-ratio", str(args.density), "--higgs-sync", "sparse"]
     configurations = {
         "megatron-ddp (dense)": common,
         f"higgs top-k {args.density:g} + error feedback": common + higgs,

@@ -19,7 +19,7 @@ from higgs_megatron.benchmarks import REPO, markdown_table, run_pretrain, summar
 
 CONFIGURATIONS = {
     "megatron-ddp (dense)": [],
-    "higgs top-k 1% + error feedback": ["--use-higgs", "--higgs-compression-ratio", "0.01"],
+    "higgs top-k 1% + error feedback": ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-sync", "sparse"],
 }
 
 

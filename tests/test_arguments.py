@@ -76,6 +76,10 @@ def test_under_torchrun_the_message_appears_once_and_ranks_exit_2():
     (["--use-higgs", "--higgs-compression-ratio", "0"], "--higgs-compression-ratio: compression_ratio must be in (0, 1], got 0.0"),
     (["--use-higgs", "--higgs-compressor", "powersgd"], "argument --higgs-compressor: invalid choice: 'powersgd'"),
     (["--use-higgs", "--higgs-density-warmup-iters", "-1"], "--higgs-density-warmup-iters: density_warmup_iters must be 0 or more"),
+    (["--use-higgs", "--higgs-link-gbps", "0"], "--higgs-link-gbps: link_gbps must be a positive number of Gbit/s, got 0.0"),
+    (["--use-higgs", "--higgs-link-gbps", "nan"], "--higgs-link-gbps: link_gbps must be a positive number of Gbit/s, got nan"),
+    (["--use-higgs", "--higgs-node-link-gbps", "100"], "--higgs-node-link-gbps: node_link_gbps needs link_gbps"),
+    (["--use-higgs", "--higgs-sync", "sparse", "--higgs-link-gbps", "1"], "--higgs-link-gbps: link_gbps is what sync='auto' plans with; sync is 'sparse'"),
     (["--check-weight-hash-across-dp-replicas-interval", "0"], "--check-weight-hash-across-dp-replicas-interval must be positive"),
 ])
 def test_bad_higgs_flags_are_named(argv, message):

@@ -12,7 +12,7 @@ from tests.workers import optimizer_state_both_ways, run_trainer
 
 # The schedule is fixed by --lr-decay-iters so that stopping early does not change it.
 COMMON = ["--make-vocab-size-divisible-by", "256", "--eval-iters", "0", "--lr-decay-iters", "8", "--lr-warmup-iters", "1"]
-HIGGS = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0"]
+HIGGS = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0", "--higgs-sync", "sparse"]
 
 
 def _global(outs, field):

@@ -40,7 +40,7 @@ def test_equals_megatron_ddp_when_dense(world_size, layout, distopt, tiny_gpt_ar
         assert rank_out["losses"]["megatron"] == rank_out["losses"]["none"]
 
 
-SPARSE = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0",
+SPARSE = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0", "--higgs-sync", "sparse",
           "--higgs-min-param-numel", "256"]
 
 

@@ -5,7 +5,7 @@ import torch
 
 from higgs_megatron.testing import run_ranks
 from higgs_megatron.topology import node_id, split_by_node
-from tests.workers import node_groups_of_world, on_simulated_nodes, sparse_sync_invariants, train_variants
+from tests.workers import auto_sync_choices, node_groups_of_world, on_simulated_nodes, sparse_sync_invariants, train_variants
 
 
 def test_node_id_prefers_the_override_then_slurm_then_torchrun(monkeypatch):
@@ -75,3 +75,43 @@ def test_hierarchical_sparse_sync_invariants(tiny_gpt_args):
         assert out["conservation"] and all(out["conservation"])
         assert max(out["byte_ratios"]) <= 1 / 40, out["byte_ratios"]
         assert out["compressions_per_step"] == out["buckets"]
+
+
+AUTO = ["--use-higgs", "--higgs-sync", "auto", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.01"]
+
+
+def test_auto_stays_dense_on_a_fast_link_and_compresses_on_a_slow_one(tiny_gpt_args):
+    """Told 10 Tbit/s, compressing cannot pay: every bucket goes dense, through Megatron's own
+    collective, so the run equals Megatron's DDP bitwise. Told 10 Mbit/s, every bucket goes
+    sparse. Measured, the ranks agree on the costs (or the collectives would not match)."""
+    base = _base(tiny_gpt_args, ["--optimizer", "sgd", "--lr", "0.1"], iters=3)
+    variants = {"megatron": base, "fast": base + AUTO + ["--higgs-link-gbps", "10000"],
+                "slow": base + AUTO + ["--higgs-link-gbps", "0.01"], "measured": base + AUTO}
+    outs = run_ranks(auto_sync_choices, 2, args=(variants,), timeout=400)
+    for out in outs:
+        assert {entry["path"] for entry in out["reports"]["fast"]} == {"dense"}
+        sent, dense = out["traffic"]["fast"]
+        assert sent == dense > 0
+        for name, value in out["params"]["fast"].items():
+            assert torch.equal(value, out["params"]["megatron"][name]), name
+        assert {entry["path"] for entry in out["reports"]["slow"]} == {"sparse"}
+        sent, dense = out["traffic"]["slow"]
+        assert sent < dense / 10
+        assert out["sources"]["slow"] == "assumed 0.01 Gbit/s" and out["sources"]["measured"] == "measured"
+    assert outs[0]["reports"]["measured"] == outs[1]["reports"]["measured"]
+    for name, value in outs[0]["params"]["measured"].items():
+        assert torch.equal(value, outs[1]["params"]["measured"][name]), f"DP replicas differ at {name}"
+
+
+def test_auto_goes_hierarchical_across_slow_nodes(tiny_gpt_args):
+    """Four ranks as two nodes, fast inside a node and slow between: the node's dense steps
+    are cheap and only the node's slice is compressed across nodes."""
+    base = _base(tiny_gpt_args, ["--optimizer", "sgd", "--lr", "0.1"], iters=3)
+    variants = {"hierarchical": base + AUTO + ["--higgs-link-gbps", "0.01", "--higgs-node-link-gbps", "10000"]}
+    outs = run_ranks(on_simulated_nodes, 4, args=(2, auto_sync_choices, variants), timeout=400)
+    for out in outs:
+        assert {entry["path"] for entry in out["reports"]["hierarchical"]} == {"hierarchical"}
+        assert out["sources"]["hierarchical"] == "assumed 0.01 Gbit/s, 10000 Gbit/s inside a node"
+    for name, value in outs[0]["params"]["hierarchical"].items():
+        for out in outs[1:]:
+            assert torch.equal(value, out["params"]["hierarchical"][name]), f"DP replicas differ at {name}"

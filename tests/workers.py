@@ -311,3 +311,35 @@ def node_groups_of_world() -> dict:
         dist.barrier()
     return {"intra": dist.get_process_group_ranks(groups.intra), "inter": dist.get_process_group_ranks(groups.inter),
             "nodes": groups.nodes, "ranks_per_node": groups.ranks_per_node, "local_index": groups.local_index}
+
+
+def auto_sync_choices(variants: dict[str, list[str]]) -> dict:
+    """Train each variant; report what ``--higgs-sync auto`` chose, the bytes the steps handed
+    to collectives against dense, and the final parameters."""
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    parsed = {name: parse_args(argv) for name, argv in variants.items()}
+    out = {"params": {}, "reports": {}, "sources": {}, "traffic": {}}
+    with training_environment(next(iter(parsed.values()))):
+        for name, args in parsed.items():
+            trainer = Trainer(args)
+            totals = [0, 0]
+            measure = trainer._traffic
+
+            def counting_traffic():
+                sent, dense, seconds, density = measure()
+                totals[0] += sent
+                totals[1] += dense
+                return sent, dense, seconds, density
+
+            trainer._traffic = counting_traffic
+            trainer.train()
+            chunk = trainer.model[0]
+            out["params"][name] = parameters(trainer)
+            out["reports"][name] = getattr(chunk, "higgs_sync_report", None)
+            costs = getattr(chunk, "link_costs", None)
+            out["sources"][name] = costs.source if costs is not None else None
+            out["traffic"][name] = tuple(totals)
+            trainer.close()
+    return out

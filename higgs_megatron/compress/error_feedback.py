@@ -42,9 +42,10 @@ class ResidualBuffer:
         self.has_staged = False
 
     def accumulate(self, grad: torch.Tensor) -> None:
-        """``grad += residual`` in place (grad becomes acc), after committing the last step."""
+        """``grad += residual`` in place (grad becomes acc), after committing the last step.
+        ``grad`` may be shorter than the buffer when the buffer's tail is padding (always 0)."""
         self.commit()
-        grad.add_(self.committed)
+        grad.add_(self.committed[:grad.numel()])
 
     def stage(self, acc: torch.Tensor, sent_positions: torch.Tensor) -> None:
         """Residual after sending ``acc`` at ``sent_positions``."""

@@ -130,12 +130,27 @@ class Trainer:
             data_parallel_size=self.dp_size,
             higgs=args.higgs_config.to_dict() if args.use_higgs else None,
         )
+        self._log_sync_plan()
         self.iteration = 0
         self.consumed_samples = 0
         self.checkpointer = AsyncCheckpointer() if args.async_checkpoint else None
         if args.load:
             self._load()
         self._saved_at = (self.iteration, time.monotonic())
+
+    def _log_sync_plan(self) -> None:
+        """What --higgs-sync auto measured and chose, per bucket (the logging rank's stage)."""
+        for chunk in self.model:
+            if not isinstance(chunk, HiggsDDP) or chunk.link_costs is None:
+                continue
+            costs = chunk.link_costs
+            choices = "; ".join(
+                f"{entry['bucket']} ({entry['numel']:,} elements): {entry['path']}"
+                + (" (" + ", ".join(f"{p} {ms:.1f} ms" for p, ms in entry["predicted_ms"].items()) + ")"
+                   if entry["predicted_ms"] else "")
+                for entry in chunk.higgs_sync_report)
+            self.log.event("higgs_sync_plan", f" higgs sync auto: links {costs.describe()}; buckets: {choices}",
+                           costs=costs.to_dict(), buckets=chunk.higgs_sync_report)
 
     def _load(self) -> None:
         args = self.args

@@ -1,0 +1,134 @@
+"""Which path a gradient bucket should take: dense, flat sparse, or hierarchical.
+
+Compression pays only where the link is slow relative to the cost of compressing
+(Agarwal et al., MLSys 2022). The model predicts, per bucket and density, the seconds each
+path keeps this rank busy, from costs measured once at start-up on the real groups
+(``reduce.link_probe``) or assumed from a bandwidth given by the user:
+
+* dense:        ``dense(B)``, Megatron's own all-reduce (reduce-scatter with the
+                distributed optimizer) of the bucket's B bytes;
+* sparse:       ``compress(N) + gather(P)``: error feedback and top-k over the bucket's N
+                elements, then the all-gather of a P-byte payload over the DP group;
+* hierarchical: ``node_scatter(B) + compress(N / L) + cross_gather(P') + node_gather(B / L)``:
+                reduce-scatter inside the node of L ranks, top-k on this rank's slice, the
+                slice's payload P' gathered across nodes, the slices gathered inside the node.
+
+Each collective's cost is ``latency + bytes * seconds_per_byte`` with the bytes being
+what one rank hands the collective (so ring factors are inside the measured slope). The
+model adds the parts: it does not credit overlap with backward, which favours neither side
+much (dense and sparse collectives both overlap; compression does not, on CPU, and it is
+counted). Pure arithmetic: every rank holds the same agreed costs, so every rank picks the
+same path, which the collectives require.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+PATHS = ("dense", "sparse", "hierarchical")
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Seconds for one collective as a function of the bytes each rank hands it."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes * self.seconds_per_byte
+
+    @classmethod
+    def fit(cls, sizes: tuple[int, int], seconds: tuple[float, float]) -> "CollectiveCost":
+        """The line through two measurements (small, large), clamped to be non-negative."""
+        (b0, b1), (t0, t1) = sizes, seconds
+        slope = max(0.0, (t1 - t0) / (b1 - b0))
+        return cls(latency_s=max(0.0, t0 - slope * b0), seconds_per_byte=slope)
+
+    @property
+    def gbps(self) -> float:
+        """The slope as Gbit/s of bytes handed to the collective (inf for a free link)."""
+        return math.inf if self.seconds_per_byte == 0 else 8e-9 / self.seconds_per_byte
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """The agreed costs of one data-parallel group (identical on all of its ranks)."""
+
+    dense: CollectiveCost
+    gather: CollectiveCost
+    compress_seconds_per_element: float
+    source: str  # "measured" or "assumed 1.0 Gbit/s"
+    node_scatter: CollectiveCost | None = None  # with more than one node and rank per node
+    cross_gather: CollectiveCost | None = None
+    node_gather: CollectiveCost | None = None
+
+    @classmethod
+    def assumed(cls, gbps: float, dp_size: int, ranks_per_node: int, distributed_optimizer: bool,
+                compress_seconds_per_element: float, node_gbps: float | None = None) -> "LinkCosts":
+        """Costs of ideal rings with no latency: links between nodes of ``gbps`` (the flat
+        collectives over the whole group run at that pace), links inside a node of
+        ``node_gbps`` (default ``gbps``). A dense all-reduce moves 2(n-1)/n of the bucket per
+        rank (a reduce-scatter half of that), an all-gather (n-1) payloads."""
+        n, nodes = dp_size, dp_size // ranks_per_node
+
+        def ring(factor: float, link_gbps: float) -> CollectiveCost:
+            return CollectiveCost(0.0, factor * 8e-9 / link_gbps)
+
+        node_gbps = node_gbps or gbps
+        dense_factor = (n - 1) / n * (1 if distributed_optimizer else 2)
+        hierarchical = nodes > 1 and ranks_per_node > 1
+        label = f"assumed {gbps:g} Gbit/s" + (f", {node_gbps:g} Gbit/s inside a node" if hierarchical else "")
+        return cls(dense=ring(dense_factor, gbps), gather=ring(n - 1, gbps),
+                   compress_seconds_per_element=compress_seconds_per_element, source=label,
+                   node_scatter=ring((ranks_per_node - 1) / ranks_per_node, node_gbps) if hierarchical else None,
+                   cross_gather=ring(nodes - 1, gbps) if hierarchical else None,
+                   node_gather=ring(ranks_per_node - 1, node_gbps) if hierarchical else None)
+
+    @property
+    def has_hierarchy(self) -> bool:
+        return self.node_scatter is not None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        names = {"dense": "dense", "gather": "all-gather", "node_scatter": "node reduce-scatter",
+                 "cross_gather": "cross-node all-gather", "node_gather": "node all-gather"}
+        parts = [f"{label} {cost.gbps:.2f} Gbit/s + {cost.latency_s * 1e3:.2f} ms"
+                 for name, label in names.items() if (cost := getattr(self, name)) is not None]
+        return (f"{self.source}: " + ", ".join(parts)
+                + f"; compression {self.compress_seconds_per_element * 1e9:.1f} ns/element")
+
+
+@dataclass(frozen=True)
+class BucketShape:
+    """What the model needs to know of one bucket at one density."""
+
+    bucket_bytes: int
+    numel: int
+    flat_payload_bytes: int | None = None  # None: the flat sparse path is not available
+    slice_numel: int = 0
+    slice_payload_bytes: int | None = None  # None: the hierarchical path is not available
+    ranks_per_node: int = 1
+
+
+def predict(costs: LinkCosts, shape: BucketShape) -> dict[str, float]:
+    """Predicted seconds of every path available to this bucket."""
+    per_element = costs.compress_seconds_per_element
+    predicted = {"dense": costs.dense.seconds(shape.bucket_bytes)}
+    if shape.flat_payload_bytes is not None:
+        predicted["sparse"] = shape.numel * per_element + costs.gather.seconds(shape.flat_payload_bytes)
+    if costs.has_hierarchy and shape.slice_payload_bytes is not None:
+        predicted["hierarchical"] = (costs.node_scatter.seconds(shape.bucket_bytes)
+                                     + shape.slice_numel * per_element
+                                     + costs.cross_gather.seconds(shape.slice_payload_bytes)
+                                     + costs.node_gather.seconds(shape.bucket_bytes / shape.ranks_per_node))
+    return predicted
+
+
+def cheapest(predicted: dict[str, float], allowed: tuple[str, ...] = PATHS) -> str:
+    """The fastest allowed path; ties go to the earlier one in ``PATHS`` (dense first)."""
+    return min((path for path in PATHS if path in predicted and path in allowed), key=lambda p: predicted[p])

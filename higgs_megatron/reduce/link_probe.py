@@ -1,0 +1,120 @@
+"""Measuring, once at start-up, what the cost model needs: collectives on the real groups and
+the time to compress.
+
+Protocol (collective over the data-parallel group; every rank calls it with the same
+arguments): for each collective the sparse or dense paths would use, a barrier on its group
+then the collective, timed, at two sizes (``SMALL`` and ``LARGE`` bytes per rank), one
+warm-up and the median of ``REPEATS``; compression is timed locally on the largest bucket's
+plan. All timings are then all-reduced with MAX over the data-parallel group, so every rank
+fits the same lines and the cost model makes the same choice everywhere (the slowest rank
+sets the pace of a collective anyway). The probe moves a few tens of MB at most and takes
+well under a second on a 10 Gbit/s link, about two on 1 Gbit/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..compress.compressor import compress
+from ..compress.error_feedback import ResidualBuffer
+from ..compress.plan import BucketPlan
+from ..compress.selection import make_selector
+from ..cost_model import CollectiveCost, LinkCosts
+from ..topology import NodeGroups
+
+SMALL = 16 * 1024
+LARGE = 4 * 1024 * 1024
+REPEATS = 3
+
+
+def _timed(run: Callable[[], None], group: dist.ProcessGroup) -> float:
+    run()  # warm-up: connections, buffers
+    times = []
+    for _ in range(REPEATS):
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _collective(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> Callable[[], None]:
+    n = dist.get_world_size(group)
+    numel = max(n, nbytes // 4 // n * n)
+    if kind == "all_reduce":
+        buffer = torch.zeros(numel, device=device)
+        return lambda: dist.all_reduce(buffer, group=group)
+    if kind == "reduce_scatter":  # the whole buffer handed in, one 1/n piece out
+        buffer = torch.zeros(numel, device=device)
+        out = torch.empty(numel // n, device=device)
+        return lambda: dist.reduce_scatter_tensor(out, buffer, group=group)
+    if kind == "all_gather":  # nbytes is what each rank contributes
+        piece = torch.zeros(numel, device=device)
+        out = torch.empty(numel * n, device=device)
+        return lambda: dist.all_gather_into_tensor(out, piece, group=group)
+    raise ValueError(kind)
+
+
+def _compress_seconds_per_element(plan: BucketPlan | None, density: float, compressor: str,
+                                  error_feedback: bool, device: torch.device) -> float:
+    """accumulate + select + stage on the largest bucket's plan, per element of the bucket."""
+    if plan is None or compressor == "none":
+        return 0.0
+    selector = make_selector(compressor, seed=0)  # a fresh one: the real selectors' state is untouched
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(plan.numel, generator=generator).to(device)
+    residual = ResidualBuffer(plan.numel, grad.dtype, device) if error_feedback else None
+
+    def once() -> None:
+        if residual is not None:
+            residual.accumulate(grad)
+        sparse = compress(grad, plan, density, selector, key="link_probe")
+        if residual is not None:
+            residual.stage(grad, sparse.sent)
+
+    once()
+    times = []
+    for _ in range(REPEATS):
+        started = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) / plan.numel
+
+
+def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, distributed_optimizer: bool,
+                       largest_plan: BucketPlan | None, density: float, compressor: str, error_feedback: bool,
+                       device: torch.device, assume_gbps: float | None = None,
+                       assume_node_gbps: float | None = None) -> LinkCosts:
+    """The agreed ``LinkCosts`` of ``dp_group`` (see the module docstring).
+
+    With ``assume_gbps`` the collectives are not run: ideal rings at that bandwidth (and
+    ``assume_node_gbps`` inside a node) are assumed (``LinkCosts.assumed``); compression is
+    still timed.
+    """
+    probes: list[tuple[str, str, dist.ProcessGroup]] = []
+    hierarchy = nodes is not None and nodes.nodes > 1 and nodes.ranks_per_node > 1
+    if assume_gbps is None:
+        probes = [("dense", "reduce_scatter" if distributed_optimizer else "all_reduce", dp_group),
+                  ("gather", "all_gather", dp_group)]
+        if hierarchy:
+            probes += [("node_scatter", "reduce_scatter", nodes.intra), ("cross_gather", "all_gather", nodes.inter),
+                       ("node_gather", "all_gather", nodes.intra)]
+    timings = [_timed(_collective(kind, size, group, device), group)
+               for _, kind, group in probes for size in (SMALL, LARGE)]
+    timings.append(_compress_seconds_per_element(largest_plan, density, compressor, error_feedback, device))
+    agreed = torch.tensor(timings, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=dp_group)
+    values = agreed.tolist()
+    per_element = values.pop()
+    if assume_gbps is not None:
+        dp_size = dist.get_world_size(dp_group)
+        return LinkCosts.assumed(assume_gbps, dp_size, nodes.ranks_per_node if hierarchy else dp_size,
+                                 distributed_optimizer, per_element, node_gbps=assume_node_gbps)
+    fitted = {name: CollectiveCost.fit((SMALL, LARGE), (values[2 * i], values[2 * i + 1]))
+              for i, (name, _, _) in enumerate(probes)}
+    return LinkCosts(compress_seconds_per_element=per_element, source="measured", **fitted)
