@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -96,6 +97,8 @@ class _Shared:
     stats: SyncStats = field(default_factory=SyncStats)
     trace: list[tuple[str, int]] | None = None
     check_nonfinite: bool = False
+    sync_timeout: float | None = None  # seconds a wait for a sync may take before the step is marked
+    sync_timed_out: str | None = None  # why this step's sync is not to be trusted
     nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical"
     costs: LinkCosts | None = None  # with sync="auto"
 
@@ -104,17 +107,38 @@ class _GroupHandle:
     """What ``grad_reduce_handle`` holds: dense works and sparse gathers in flight."""
 
     def __init__(self, dense_works: list[Any], sparse: list[PendingSparseReduce], average_over: int,
-                 on_done) -> None:
+                 on_done, shared: _Shared) -> None:
         self.dense_works = dense_works
         self.sparse = sparse
         self.average_over = average_over
         self.on_done = on_done
+        self.shared = shared
+
+    def _wait(self, work) -> None:
+        """``work.wait()``, but past ``sync_timeout`` the step is marked untrustworthy (the
+        progress alignment then drops it everywhere) and the wait goes on: the collective must
+        drain before its buffers are touched again."""
+        shared = self.shared
+        if shared.sync_timeout is None or shared.sync_timed_out is not None:
+            work.wait()
+            return
+        started = time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=shared.sync_timeout))
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower():
+                raise
+            shared.sync_timed_out = (f"rank {dist.get_rank()}: gradient sync did not complete within "
+                                     f"{shared.sync_timeout:g}s")
+            work.wait()
+            shared.sync_timed_out += f" (drained after {time.monotonic() - started:.1f}s)"
 
     def wait(self) -> None:
         for work in self.dense_works:
             if work is not None:
-                work.wait()
+                self._wait(work)
         for pending in self.sparse:
+            pending.wait(self._wait)
             pending.finish()
             if self.average_over > 1:
                 pending.target.div_(self.average_over)
@@ -258,7 +282,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
         if shared.check_nonfinite:
-            self.higgs_saw_nonfinite = any(not bool(torch.isfinite(b.grad_data).all()) for b in self.buckets)
+            # One summing pass: a NaN or inf anywhere makes the sum non-finite (a finite sum that
+            # overflows would only skip a step needlessly). torch.isfinite(...).all() costs 30x more
+            # on CPU (74 ms against 2.3 ms for 12.9M values).
+            self.higgs_saw_nonfinite = any(not bool(torch.isfinite(b.grad_data.sum(dtype=torch.float32)))
+                                           for b in self.buckets)
 
         group = self._communication_group
         async_op = self.ddp_config.overlap_grad_reduce
@@ -299,7 +327,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_steps += 1
         shared.stats.add(stats)
         handle = _GroupHandle(dense_works, sparse, dist.get_world_size(group) if average else 1,
-                              on_done=self._on_sync_done)
+                              on_done=self._on_sync_done, shared=shared)
         if async_op:
             self.grad_reduce_handle = handle
         else:
@@ -399,6 +427,16 @@ class HiggsDDP(DistributedDataParallel):
         """Record ('start'|'finish', group index) events from now on; returns the live list."""
         self._higgs.trace = [] if enabled else None
         return self._higgs.trace
+
+    def set_sync_timeout(self, seconds: float | None) -> None:
+        """Mark a step whose sync waits take longer than ``seconds`` (see ``take_sync_timeout``).
+        Gloo honours the timeout; NCCL's own watchdog governs its collectives."""
+        self._higgs.sync_timeout = seconds
+
+    def take_sync_timeout(self) -> str | None:
+        """Why the last step's sync is not to be trusted (None: it completed in time); resets."""
+        reason, self._higgs.sync_timed_out = self._higgs.sync_timed_out, None
+        return reason
 
     def track_nonfinite(self, enabled: bool = True) -> None:
         self._higgs.check_nonfinite = enabled

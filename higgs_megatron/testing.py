@@ -115,9 +115,11 @@ def _failures(queue, failed: dict[int, str], grace: float = 3.0) -> str:
 
 def run_pretrain_script(argv: Sequence[str], nproc: int, timeout: float = 300.0,
                         env: dict[str, str] | None = None,
-                        script: Path = PRETRAIN_SCRIPT) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node N examples/pretrain_gpt.py ARGV``; output captured."""
+                        script: Path = PRETRAIN_SCRIPT,
+                        extra_launcher_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node N [LAUNCHER ARGS] examples/pretrain_gpt.py ARGV``;
+    output captured."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), *argv]
+               *extra_launcher_args, str(script), *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=REPO_ROOT)

@@ -67,9 +67,9 @@ def test_plan_parts_and_fixed_k():
 def test_compress_sends_always_part_and_conserves_with_error_feedback():
     plan = _plan()
     residual = ResidualBuffer(8100, torch.float32, torch.device("cpu"))
-    residual.committed.copy_(_heavy_tailed(8100, seed=5) * 0.1)
+    residual.load(_heavy_tailed(8100, seed=5) * 0.1)
     grad = _heavy_tailed(8100, seed=6)
-    acc_expected = grad + residual.committed
+    acc_expected = grad + residual.current
     residual.accumulate(grad)  # grad is now acc
     assert torch.equal(grad, acc_expected)
     sparse = compress(grad, plan, 0.01, TopK(), key=0)
@@ -100,7 +100,7 @@ def test_a_parameters_selection_depends_only_on_its_own_gradient():
 
 def test_residual_rollback_restores_the_committed_state():
     residual = ResidualBuffer(10, torch.float32, torch.device("cpu"))
-    residual.committed.fill_(1.0)
+    residual.load(torch.ones(10))
     grad = torch.full((10,), 2.0)
     residual.accumulate(grad)
     residual.stage(grad, torch.tensor([0, 1]))
@@ -109,6 +109,21 @@ def test_residual_rollback_restores_the_committed_state():
     assert torch.equal(residual.current, torch.ones(10))
     residual.accumulate(torch.zeros(10))  # a rolled-back stage never commits
     assert torch.equal(residual.committed, torch.ones(10))
+
+
+def test_a_dense_step_leaves_a_zero_residual_without_writing_it():
+    residual = ResidualBuffer(10, torch.float32, torch.device("cpu"))
+    residual.load(torch.ones(10))
+    grad = torch.zeros(10)
+    residual.accumulate(grad)
+    assert torch.equal(grad, torch.ones(10))
+    residual.stage_all_sent()
+    assert torch.equal(residual.current, torch.zeros(10))
+    grad = torch.full((10,), 5.0)
+    residual.accumulate(grad)  # commits the zero residual: nothing is added
+    assert torch.equal(grad, torch.full((10,), 5.0))
+    residual.rollback()
+    assert torch.equal(residual.current, torch.zeros(10))
 
 
 def test_pack_round_trip_bf16_and_fp32():

@@ -343,3 +343,27 @@ def auto_sync_choices(variants: dict[str, list[str]]) -> dict:
             out["traffic"][name] = tuple(totals)
             trainer.close()
     return out
+
+
+def train_with_faults(variants: dict[str, list[str]]) -> dict:
+    """Train each variant in one set of process groups; report final params, losses, the
+    number of alignments and, on the logging rank, the events of its --log-json."""
+    import json
+
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    parsed = {name: parse_args(argv) for name, argv in variants.items()}
+    out = {"params": {}, "losses": {}, "alignments": {}, "events": {}}
+    with training_environment(next(iter(parsed.values()))):
+        for name, args in parsed.items():
+            trainer = Trainer(args)
+            result = trainer.train()
+            out["params"][name] = parameters(trainer)
+            out["losses"][name] = result.losses
+            out["alignments"][name] = result.alignments
+            trainer.close()
+            if args.log_json and trainer.log.is_writer:
+                with open(args.log_json) as log:
+                    out["events"][name] = [r for r in map(json.loads, log) if r["type"] == "event"]
+    return out

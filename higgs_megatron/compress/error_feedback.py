@@ -17,16 +17,21 @@ import torch
 
 
 class ResidualBuffer:
-    """The committed residual of one bucket plus the one staged by the step in flight."""
+    """The committed residual of one bucket plus the one staged by the step in flight.
+
+    A residual known to be zero (never set, or after a dense step) is only flagged, not
+    written or added: a bucket that goes dense costs no passes over its residual."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.committed = torch.zeros(numel, dtype=dtype, device=device)
         self.staged = torch.zeros(numel, dtype=dtype, device=device)
         self.has_staged = False
+        self.committed_zero = self.staged_zero = True
 
     def commit(self) -> None:
         if self.has_staged:
             self.committed, self.staged = self.staged, self.committed
+            self.committed_zero, self.staged_zero = self.staged_zero, self.committed_zero
             self.has_staged = False
 
     def rollback(self) -> None:
@@ -35,25 +40,34 @@ class ResidualBuffer:
     @property
     def current(self) -> torch.Tensor:
         """The residual a resumed run must start from: staged if the step went through."""
-        return self.staged if self.has_staged else self.committed
+        if self.has_staged:
+            if self.staged_zero:
+                self.staged.zero_()
+            return self.staged
+        if self.committed_zero:
+            self.committed.zero_()
+        return self.committed
 
     def load(self, value: torch.Tensor) -> None:
         self.committed.copy_(value.reshape(-1))
+        self.committed_zero = False
         self.has_staged = False
 
     def accumulate(self, grad: torch.Tensor) -> None:
         """``grad += residual`` in place (grad becomes acc), after committing the last step.
         ``grad`` may be shorter than the buffer when the buffer's tail is padding (always 0)."""
         self.commit()
-        grad.add_(self.committed[:grad.numel()])
+        if not self.committed_zero:
+            grad.add_(self.committed[:grad.numel()])
 
     def stage(self, acc: torch.Tensor, sent_positions: torch.Tensor) -> None:
         """Residual after sending ``acc`` at ``sent_positions``."""
         self.staged.copy_(acc)
         self.staged[sent_positions] = 0
+        self.staged_zero = False
         self.has_staged = True
 
     def stage_all_sent(self) -> None:
         """The whole of ``acc`` went out (a dense step): nothing remains."""
-        self.staged.zero_()
+        self.staged_zero = True
         self.has_staged = True

@@ -45,6 +45,9 @@ class PendingHierarchical:
                  target: torch.Tensor, intra: dist.ProcessGroup) -> None:
         self.sparse, self.work, self.piece, self.target, self.intra = sparse, work, piece, target, intra
 
+    def wait(self, waiter=None) -> None:
+        self.sparse.wait(waiter)
+
     def finish(self) -> None:
         self.sparse.finish()  # the slice now holds the sum over all nodes
         dist.all_gather_into_tensor(self.work, self.piece, group=self.intra)

@@ -42,6 +42,10 @@ def unpack(buffer: torch.Tensor, n_always: int, k: int, dtype: torch.dtype):
     return buffer[p:a].view(dtype), buffer[:p].view(torch.int32), buffer[a:a + k * itemsize].view(dtype)
 
 
+def _plain_wait(work) -> None:
+    work.wait()
+
+
 @dataclass
 class PendingSparseReduce:
     """An all-gather in flight; ``finish`` writes the summed gradient into ``target``."""
@@ -53,9 +57,10 @@ class PendingSparseReduce:
     k: int
     target: torch.Tensor
 
-    def wait(self) -> None:
+    def wait(self, waiter=None) -> None:
+        """Wait for the gather; ``waiter(work)`` replaces ``work.wait()`` (e.g. with a timeout)."""
         if self.work is not None:
-            self.work.wait()
+            (waiter or _plain_wait)(self.work)
             self.work = None
 
     def finish(self) -> None:

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from ..config import add_higgs_args, higgs_config_from_args
+from ..stability.faults import FaultSpecError, parse_fault
 
 EXIT_USAGE = 2
 
@@ -123,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-version", type=int, default=None, metavar="ITER",
                    help="load this committed checkpoint instead of the latest")
     g.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep only the newest N checkpoints")
+    g.add_argument("--auto-resume", action="store_true",
+                   help="resume from the latest committed checkpoint in --save if there is one (--load defaults "
+                        "to --save): what a job restarted by torchrun --max-restarts needs")
+
+    g = parser.add_argument_group("stability")
+    g.add_argument("--higgs-step-timeout", type=float, default=None, metavar="SECONDS",
+                   help="warn about ranks that make no progress for this long, and drop a step (on every rank) "
+                        "whose gradient sync takes longer: a progress alignment")
+    g.add_argument("--inject-fault", action="append", default=[], metavar="KIND@RANK:ITER[:SECONDS]",
+                   help="inject a fault (hang, slow, crash, nan) on a rank at an iteration; repeatable")
     add_higgs_args(parser)
     return parser
 
@@ -141,16 +152,25 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
               "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads",
               "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last",
-              "checkpoint_interval")
-    for flag in ("save_interval", "checkpoint_interval", "async_checkpoint"):
+              "checkpoint_interval", "higgs_step_timeout")
+    for flag in ("save_interval", "checkpoint_interval", "async_checkpoint", "auto_resume"):
         if getattr(args, flag) not in (None, False) and args.save is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --save DIR")
     if args.optimizer != "adam" and args.use_distributed_optimizer:
         raise UsageError(f"--optimizer {args.optimizer}: megatron-core's --use-distributed-optimizer supports adam only")
     if args.checkpoint_version is not None and args.load is None:
         raise UsageError("--checkpoint-version needs --load DIR")
+    if args.auto_resume and args.load is None:
+        args.load = args.save
+        os.makedirs(args.save, exist_ok=True)  # the first attempt of the job finds nothing to resume
     if args.load is not None and not os.path.isdir(args.load):
         raise UsageError(f"--load {args.load}: no such directory")
+    if args.higgs_step_timeout is not None and not args.use_higgs:
+        raise UsageError("--higgs-step-timeout needs --use-higgs (it times the compressed sync's collectives)")
+    try:
+        args.faults = [parse_fault(spec, world_size) for spec in args.inject_fault]
+    except FaultSpecError as error:
+        raise UsageError(str(error)) from None
     try:
         args.higgs_config = higgs_config_from_args(args) if args.use_higgs else None
     except ValueError as error:

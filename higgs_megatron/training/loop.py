@@ -44,6 +44,7 @@ from .data import Batch, build_datasets, iteration_batches
 from .metrics import MetricsLogger
 from .model import build_model, build_optimizer, build_scheduler, num_parameters, transformer_config
 from .parallel import destroy_parallel, init_parallel, local_world_size, set_seeds
+from .resilience import Resilience
 
 
 @dataclass
@@ -55,6 +56,7 @@ class TrainResult:
     valid_losses: dict[int, float] = field(default_factory=dict)
     step_times: dict[int, float] = field(default_factory=dict)
     tokens_per_second: dict[int, float] = field(default_factory=dict)
+    alignments: int = 0
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -66,9 +68,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
 
-def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
+def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module, poison: bool = False):
+    """Megatron's forward-step protocol; ``poison`` makes the loss NaN (the ``nan`` fault)."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    if poison:
+        output = output * float("nan")
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -131,6 +136,8 @@ class Trainer:
             higgs=args.higgs_config.to_dict() if args.use_higgs else None,
         )
         self._log_sync_plan()
+        self.resilience = Resilience(args, self.log, self.model)
+        self.resilience.watch_grad_sync(get_model_config(self.model[0]), lambda: self.iteration + 1)
         self.iteration = 0
         self.consumed_samples = 0
         self.checkpointer = AsyncCheckpointer() if args.async_checkpoint else None
@@ -175,6 +182,7 @@ class Trainer:
     def save(self) -> None:
         """Synchronous: the whole save. With ``--async-checkpoint``: wait for the previous save,
         then hand this one to the background writer."""
+        self.resilience.phase(self.iteration, "checkpoint")
         if self.checkpointer is None:
             self.log.event("save_started", iteration=self.iteration)
             self._committed([save_checkpoint(self, self.args.save, self.args.keep_last)])
@@ -223,12 +231,12 @@ class Trainer:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
 
-    def _forward_backward(self, consumed_samples: int, forward_only: bool, dataset) -> list[dict]:
+    def _forward_backward(self, consumed_samples: int, forward_only: bool, dataset, poison: bool = False) -> list[dict]:
         args = self.args
         batches = iteration_batches(dataset, consumed_samples, args.micro_batch_size, self.dp_rank,
                                     self.dp_size, args.num_microbatches)
         return get_forward_backward_func()(
-            forward_step_func=forward_step,
+            forward_step_func=partial(forward_step, poison=poison),
             data_iterator=batches,
             model=self.model,
             num_microbatches=args.num_microbatches,
@@ -245,11 +253,19 @@ class Trainer:
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
         return (total[0] / total[1].clamp(min=1)).item()
 
-    def train_step(self) -> tuple[bool, float | None, float | None]:
+    def train_step(self) -> tuple[bool | None, float | None, float | None]:
+        """One attempt of the next iteration: (stepped, loss, grad norm); stepped is None when
+        every rank dropped the attempt (a progress alignment) and the iteration must run again."""
+        iteration = self.iteration + 1
+        fault = self.resilience.begin(iteration)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_dicts = self._forward_backward(self.consumed_samples, False, self.datasets.train)
+        loss_dicts = self._forward_backward(self.consumed_samples, False, self.datasets.train,
+                                            poison=fault is not None and fault.kind == "nan")
+        if not self.resilience.vote(iteration):
+            return None, None, None
+        self.resilience.phase(iteration, "optimizer")
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
@@ -257,6 +273,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        self.resilience.phase(self.iteration, "evaluation")
         for chunk in self.model:
             chunk.eval()
         losses = []
@@ -296,6 +313,9 @@ class Trainer:
         while self.iteration < args.train_iters:
             started = time.perf_counter()
             ok, loss, grad_norm = self.train_step()
+            if ok is None:  # dropped on every rank: the same iteration again
+                result.alignments += 1
+                continue
             step_time = time.perf_counter() - started
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
@@ -367,6 +387,7 @@ class Trainer:
         self.consumed_samples = state["consumed_samples"]
 
     def close(self) -> None:
+        self.resilience.close(self.iteration)
         self.log.close()
 
 

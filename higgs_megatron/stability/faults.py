@@ -1,0 +1,91 @@
+"""Faults injected on purpose: ``--inject-fault KIND@RANK:ITER[:SECONDS]``, repeatable.
+
+* ``hang@R:I:S``  rank R stalls S seconds inside iteration I (before its forward pass), long
+  enough for the others' gradient sync to time out: a progress alignment follows.
+* ``slow@R:I:S``  the same stall, meant to stay within ``--higgs-step-timeout``: a warning at
+  most, the step goes through.
+* ``crash@R:I``   rank R dies at the start of iteration I (``os._exit(CRASH_EXIT_CODE)``).
+* ``nan@R:I``     rank R's loss, and so its gradients, are NaN in iteration I: the step is
+  skipped on every rank.
+
+A fault fires once, in the first attempt of the job (``TORCHELASTIC_RESTART_COUNT`` unset or
+0): a job restarted by ``torchrun --max-restarts`` after an injected crash resumes from its
+checkpoint and runs through the crash's iteration again without dying again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import time
+from dataclasses import dataclass
+
+KINDS = ("hang", "slow", "crash", "nan")
+CRASH_EXIT_CODE = 43  # distinct from Python's 1 and argparse's 2: "an injected crash"
+_SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<rank>\d+):(?P<iteration>\d+)(?::(?P<seconds>[0-9.]+))?$")
+
+
+class FaultSpecError(ValueError):
+    """A ``--inject-fault`` value that does not parse; the message names what was expected."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    iteration: int  # 1-based, as Megatron logs iterations
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.rank}:{self.iteration}" + (f":{self.seconds:g}" if self.seconds else "")
+
+
+def parse_fault(spec: str, world_size: int | None = None) -> Fault:
+    match = _SPEC.match(spec.strip())
+    if not match:
+        raise FaultSpecError(f"--inject-fault {spec!r}: expected KIND@RANK:ITER[:SECONDS] with KIND one of "
+                             f"{', '.join(KINDS)} (e.g. hang@1:5:30)")
+    kind, rank, iteration = match["kind"], int(match["rank"]), int(match["iteration"])
+    seconds = float(match["seconds"]) if match["seconds"] else 0.0
+    if kind not in KINDS:
+        raise FaultSpecError(f"--inject-fault {spec!r}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if iteration < 1:
+        raise FaultSpecError(f"--inject-fault {spec!r}: iterations count from 1")
+    if kind in ("hang", "slow") and seconds <= 0:
+        raise FaultSpecError(f"--inject-fault {spec!r}: {kind} needs SECONDS > 0 (e.g. {kind}@{rank}:{iteration}:10)")
+    if kind in ("crash", "nan") and match["seconds"]:
+        raise FaultSpecError(f"--inject-fault {spec!r}: {kind} takes no SECONDS")
+    if world_size is not None and rank >= world_size:
+        raise FaultSpecError(f"--inject-fault {spec!r}: rank {rank} does not exist in a world of {world_size}")
+    return Fault(kind, rank, iteration, seconds)
+
+
+class FaultInjector:
+    """This rank's faults; the loop calls ``before_step`` at the start of every attempt."""
+
+    def __init__(self, faults: list[Fault], rank: int) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+        self.pending = [f for f in faults if f.rank == rank] if first_attempt else []
+
+    def before_step(self, iteration: int, on_fire=None) -> Fault | None:
+        """Fire this rank's fault for ``iteration`` (1-based). Returns a ``nan`` fault for the
+        caller to apply to the loss; sleeps for ``hang``/``slow``; exits for ``crash``."""
+        due = [f for f in self.pending if f.iteration == iteration]
+        if not due:
+            return None
+        fault = due[0]
+        self.pending.remove(fault)
+        if on_fire is not None:
+            on_fire(fault)
+        if fault.kind == "crash":
+            # Die at once, without cleanup, but with this rank's helper processes (megatron-core's
+            # checkpoint results-queue manager), as a process group killed together would: an
+            # orphaned helper would hold the launcher's output pipes open.
+            for child in multiprocessing.active_children():
+                child.kill()
+            os._exit(CRASH_EXIT_CODE)
+        if fault.kind in ("hang", "slow"):
+            time.sleep(fault.seconds)
+            return None
+        return fault

@@ -1,0 +1,135 @@
+"""Stability: injected faults, the watchdog, progress alignment and automatic resume, in real
+multi-process runs over gloo."""
+
+import json
+
+import pytest
+import torch
+
+from higgs_megatron.stability.alignment import AlignmentLog
+from higgs_megatron.stability.faults import Fault, FaultSpecError, parse_fault
+from higgs_megatron.stability.progress import describe
+from higgs_megatron.testing import run_pretrain_script, run_ranks
+from higgs_megatron.training.arguments import UsageError, parse_args
+from tests.workers import run_trainer, train_with_faults
+
+
+def test_fault_specs_parse():
+    assert parse_fault("hang@1:5:30") == Fault("hang", 1, 5, 30.0)
+    assert parse_fault("slow@0:2:0.5") == Fault("slow", 0, 2, 0.5)
+    assert parse_fault("crash@3:10") == Fault("crash", 3, 10)
+    assert str(parse_fault("nan@1:4")) == "nan@1:4"
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("hang@1", "expected KIND@RANK:ITER[:SECONDS]"),
+    ("freeze@1:2:3", "unknown kind 'freeze'; expected one of hang, slow, crash, nan"),
+    ("hang@1:2", "hang needs SECONDS > 0"),
+    ("crash@0:2:5", "crash takes no SECONDS"),
+    ("nan@0:0", "iterations count from 1"),
+    ("crash@4:2", "rank 4 does not exist in a world of 2"),
+])
+def test_bad_fault_specs_are_named(spec, message):
+    with pytest.raises(FaultSpecError) as info:
+        parse_fault(spec, world_size=2)
+    assert f"--inject-fault {spec!r}" in str(info.value) and message in str(info.value)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--higgs-step-timeout", "5"], "--higgs-step-timeout needs --use-higgs"),
+    (["--use-higgs", "--higgs-step-timeout", "0"], "--higgs-step-timeout must be positive, got 0.0"),
+    (["--inject-fault", "hang@9:1:1"], "rank 9 does not exist in a world of 2"),
+    (["--auto-resume"], "--auto-resume needs --save DIR"),
+])
+def test_bad_stability_flags_are_named(argv, message):
+    with pytest.raises(UsageError) as info:
+        parse_args(argv, world_size=2)
+    assert message in info.value.message
+
+
+def test_watchdog_names_the_rank_that_holds_the_others_up():
+    stalled = [{"rank": 0, "iteration": 3, "phase": "grad-sync", "seconds": 6.0},
+               {"rank": 1, "iteration": 3, "phase": "forward-backward", "seconds": 7.0}]
+    assert describe(stalled, 5) == ("no progress for 5s or more: rank 1 (forward-backward, iteration 3, 7s); "
+                                    "waiting for it: rank 0 (grad-sync, iteration 3, 6s)")
+
+
+def test_alignments_closer_than_ten_minutes_are_frequent():
+    log = AlignmentLog()
+    assert not log.record("a", 1.0)
+    assert log.record("b", 1.0)
+    assert AlignmentLog(too_often=0.0).record("c", 0.0) is False
+
+
+SPARSE = ["--use-higgs", "--higgs-sync", "sparse", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.05"]
+
+
+def _base(tiny_gpt_args, tmp_path, name, iters=6):
+    return tiny_gpt_args + SPARSE + ["--global-batch-size", "8", "--train-iters", str(iters), "--overlap-grad-reduce",
+                                     "--ddp-bucket-size", "20000", "--hidden-dropout", "0", "--attention-dropout", "0",
+                                     "--log-json", str(tmp_path / f"{name}.jsonl")]
+
+
+def test_slow_within_the_timeout_hang_past_it_and_nan(tmp_path, tiny_gpt_args):
+    """slow (1 s under a 4 s timeout): at most a warning, no alignment, bitwise the clean run.
+    hang (6 s past a 2 s timeout): one alignment, all iterations run, replicas identical, and
+    (no dropout) the redone step equals the clean run's. nan: the step is skipped everywhere."""
+    variants = {
+        "clean": _base(tiny_gpt_args, tmp_path, "clean") + ["--higgs-step-timeout", "4"],
+        "slow": _base(tiny_gpt_args, tmp_path, "slow") + ["--higgs-step-timeout", "4",
+                                                          "--inject-fault", "slow@1:3:1"],
+        "hang": _base(tiny_gpt_args, tmp_path, "hang") + ["--higgs-step-timeout", "2",
+                                                          "--inject-fault", "hang@1:3:6"],
+        "nan": _base(tiny_gpt_args, tmp_path, "nan") + ["--inject-fault", "nan@0:4"],
+    }
+    outs = run_ranks(train_with_faults, 2, args=(variants,), timeout=400)
+    for name in variants:
+        for key, value in outs[0]["params"][name].items():
+            assert torch.equal(value, outs[1]["params"][name][key]), f"{name}: DP replicas differ at {key}"
+    for out in outs:
+        assert out["alignments"] == {"clean": 0, "slow": 0, "hang": 1, "nan": 0}
+        assert sorted(out["losses"]["hang"]) == list(range(1, 7))
+        for name in ("slow", "hang"):
+            for key, value in out["params"][name].items():
+                assert torch.equal(value, out["params"]["clean"][key]), f"{name} differs from the clean run at {key}"
+    events = outs[1]["events"]
+    alignment = [e for e in events["hang"] if e["event"] == "progress_alignment"]
+    assert len(alignment) == 1 and alignment[0]["iteration"] == 3
+    assert "gradient sync did not complete within 2s" in alignment[0]["cause"]
+    assert alignment[0]["seconds_lost"] >= 2
+    stalled = [e for e in events["hang"] if e["event"] == "progress_stalled"]
+    assert stalled, events["hang"]
+    phases = {entry["rank"]: entry["phase"] for entry in stalled[0]["stalled"]}
+    assert phases[1] == "forward-backward" and phases.get(0, "grad-sync") == "grad-sync", phases
+    assert not [e for e in events["slow"] if e["event"] == "progress_alignment"]
+    skipped = [e for e in events["nan"] if e["event"] == "step_skipped"]
+    assert [e["iteration"] for e in skipped] == [4]
+    assert outs[0]["params"]["nan"].keys() == outs[0]["params"]["clean"].keys()
+
+
+def test_crash_restarts_and_resumes_from_the_latest_checkpoint(tmp_path, tiny_gpt_args):
+    """crash@1:6 under torchrun --max-restarts 1 with async checkpoints every 2 iterations:
+    the job finishes, and its final parameters equal those of a run that resumed from the
+    same checkpoint without a crash."""
+    save, reference = tmp_path / "ckpt", tmp_path / "reference"
+    log = tmp_path / "crash.jsonl"
+    base = tiny_gpt_args + SPARSE + ["--global-batch-size", "8", "--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
+    argv = base + ["--train-iters", "8", "--save", str(save), "--save-interval", "2", "--async-checkpoint",
+                   "--auto-resume", "--inject-fault", "crash@1:6", "--log-json", str(log)]
+    proc = run_pretrain_script(argv, nproc=2, timeout=400, extra_launcher_args=["--max-restarts", "1"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "(exitcode: 43)" in proc.stderr  # the injected crash, seen by torchrun
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    loaded = [r for r in records if r["type"] == "event" and r["event"] == "checkpoint_loaded"]
+    assert len(loaded) == 1 and 2 <= loaded[0]["iteration"] <= 5, loaded
+    resumed_from = loaded[0]["iteration"]
+    run_ranks(run_trainer, 2, args=(base + ["--train-iters", "8", "--load", str(save), "--checkpoint-version",
+                                            str(resumed_from), "--save", str(reference)],))
+    crashed = run_ranks(run_trainer, 2, args=(base + ["--train-iters", "8", "--load", str(save)],))
+    clean = run_ranks(run_trainer, 2, args=(base + ["--train-iters", "8", "--load", str(reference)],))
+    for a, b in zip(crashed, clean):
+        assert a["start"] == b["start"] == 8
+        assert a["final"].keys() == b["final"].keys()
+        for key in a["final"]:
+            for (shape_a, offset_a, piece_a), (shape_b, offset_b, piece_b) in zip(a["final"][key], b["final"][key]):
+                assert torch.equal(piece_a, piece_b), key
