@@ -88,6 +88,15 @@ def test_bad_higgs_flags_are_named(argv, message):
     assert message in info.value.message
 
 
+def test_wandb_project_without_wandb_is_named(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(UsageError) as info:
+        parse_args(["--wandb-project", "higgs"], world_size=1)
+    assert "--wandb-project needs the wandb package" in info.value.message
+
+
 def test_tensorboard_dir_without_tensorboard_is_named(monkeypatch, tmp_path):
     import sys
 

@@ -4,6 +4,10 @@ import io
 import json
 import time
 
+import sys
+import types
+
+from higgs_megatron.callbacks import Callback, WandbCallback
 from higgs_megatron.training.loop import _Window
 from higgs_megatron.training.metrics import MetricsLogger
 
@@ -27,9 +31,67 @@ def test_logger_writes_megatron_line_and_json(tmp_path):
     log.close()
     assert "iteration       10/     100 | consumed samples: 80 | lm loss: 2.500000E+00" in out.getvalue()
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert time.time() - 60 < records[0].pop("time") <= time.time()
     assert records[0] == {"type": "iteration", "iteration": 10, "consumed_samples": 80, "lm_loss": 2.5,
                           "tokens_per_second": 1000.0}
     assert records[1]["event"] == "validation" and records[1]["loss"] == 2.4
     quiet = MetricsLogger(is_writer=False, log_json=str(tmp_path / "other.jsonl"))
     quiet.event("x")
     assert not (tmp_path / "other.jsonl").exists()
+
+
+class Recording(Callback):
+    def __init__(self):
+        self.seen, self.closed = [], False
+
+    def on_iteration(self, iteration, fields):
+        self.seen.append(("iteration", iteration, dict(fields)))
+
+    def on_event(self, name, fields):
+        self.seen.append(("event", name, dict(fields)))
+
+    def close(self):
+        self.closed = True
+
+
+def test_callbacks_hear_iterations_and_events_on_the_logging_rank_only():
+    heard, unheard = Recording(), Recording()
+    log = MetricsLogger(is_writer=True, callbacks=[heard], stream=io.StringIO())
+    log.iteration(3, 10, {"lm loss": 2.0})
+    log.event("progress_alignment", " aligned", iteration=3, cause="rank 0: timeout", seconds_lost=4.5)
+    log.close()
+    assert heard.seen == [("iteration", 3, {"lm loss": 2.0}),
+                          ("event", "progress_alignment", {"iteration": 3, "cause": "rank 0: timeout",
+                                                           "seconds_lost": 4.5})]
+    assert heard.closed
+    quiet = MetricsLogger(is_writer=False, callbacks=[unheard])
+    quiet.event("progress_alignment", iteration=1)
+    assert unheard.seen == []
+
+
+def test_wandb_callback_logs_offline_runs(monkeypatch, tmp_path):
+    """Against a stand-in for the wandb package (not a dependency): what the callback asks of it."""
+    calls = []
+
+    class Run:
+        def log(self, values, step=None):
+            calls.append(("log", values, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    callback = WandbCallback("higgs", directory=str(tmp_path), config={"lr": 0.1})
+    callback.on_iteration(5, {"lm loss": 2.5, "tokens per second": 100.0, "note": "x"})
+    callback.on_event("progress_alignment", {"iteration": 6, "seconds_lost": 3.0, "cause": "timeout"})
+    callback.on_event("progress_alignment", {"iteration": 9, "seconds_lost": 1.0, "cause": "timeout"})
+    callback.close()
+    assert calls[0] == ("init", {"project": "higgs", "mode": "offline", "dir": str(tmp_path), "config": {"lr": 0.1}})
+    assert calls[1] == ("log", {"lm loss": 2.5, "tokens per second": 100.0}, 5)
+    assert calls[2] == ("log", {"progress_alignment/seconds_lost": 3.0, "progress_alignment/count": 1}, 6)
+    assert calls[3] == ("log", {"progress_alignment/seconds_lost": 1.0, "progress_alignment/count": 2}, 9)
+    assert calls[4] == ("finish",)

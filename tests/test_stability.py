@@ -11,7 +11,7 @@ from higgs_megatron.stability.faults import Fault, FaultSpecError, parse_fault
 from higgs_megatron.stability.progress import describe
 from higgs_megatron.testing import run_pretrain_script, run_ranks
 from higgs_megatron.training.arguments import UsageError, parse_args
-from tests.workers import run_trainer, train_with_faults
+from tests.workers import run_trainer, train_variants
 
 
 def test_fault_specs_parse():
@@ -82,7 +82,7 @@ def test_slow_within_the_timeout_hang_past_it_and_nan(tmp_path, tiny_gpt_args):
                                                           "--inject-fault", "hang@1:3:6"],
         "nan": _base(tiny_gpt_args, tmp_path, "nan") + ["--inject-fault", "nan@0:4"],
     }
-    outs = run_ranks(train_with_faults, 2, args=(variants,), timeout=400)
+    outs = run_ranks(train_variants, 2, args=(variants,), timeout=400)
     for name in variants:
         for key, value in outs[0]["params"][name].items():
             assert torch.equal(value, outs[1]["params"][name][key]), f"{name}: DP replicas differ at {key}"

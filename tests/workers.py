@@ -27,14 +27,17 @@ def parameters(trainer) -> dict[str, torch.Tensor]:
 
 
 def train_variants(variants: dict[str, list[str]]) -> dict:
-    """Train each variant in turn in one set of process groups; return final params per variant.
+    """Train each variant in turn in one set of process groups; return final params, losses,
+    progress alignments and (on the logging rank, with --log-json) events per variant.
 
     All variants must share the parallel layout (the groups are made once)."""
+    import json
+
     from higgs_megatron.training.arguments import parse_args
     from higgs_megatron.training.loop import Trainer, training_environment
 
     parsed = {name: parse_args(argv) for name, argv in variants.items()}
-    out = {"coords": None, "params": {}, "losses": {}, "valid_losses": {}}
+    out = {"coords": None, "params": {}, "losses": {}, "valid_losses": {}, "alignments": {}, "events": {}}
     with training_environment(next(iter(parsed.values()))):
         out["coords"] = coordinates()
         for name, args in parsed.items():
@@ -43,7 +46,11 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
             out["params"][name] = parameters(trainer)
             out["losses"][name] = result.losses
             out["valid_losses"][name] = result.valid_losses
+            out["alignments"][name] = result.alignments
             trainer.close()
+            if args.log_json and trainer.log.is_writer:
+                with open(args.log_json) as log:
+                    out["events"][name] = [r for r in map(json.loads, log) if r["type"] == "event"]
     return out
 
 
@@ -344,26 +351,3 @@ def auto_sync_choices(variants: dict[str, list[str]]) -> dict:
             trainer.close()
     return out
 
-
-def train_with_faults(variants: dict[str, list[str]]) -> dict:
-    """Train each variant in one set of process groups; report final params, losses, the
-    number of alignments and, on the logging rank, the events of its --log-json."""
-    import json
-
-    from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
-
-    parsed = {name: parse_args(argv) for name, argv in variants.items()}
-    out = {"params": {}, "losses": {}, "alignments": {}, "events": {}}
-    with training_environment(next(iter(parsed.values()))):
-        for name, args in parsed.items():
-            trainer = Trainer(args)
-            result = trainer.train()
-            out["params"][name] = parameters(trainer)
-            out["losses"][name] = result.losses
-            out["alignments"][name] = result.alignments
-            trainer.close()
-            if args.log_json and trainer.log.is_writer:
-                with open(args.log_json) as log:
-                    out["events"][name] = [r for r in map(json.loads, log) if r["type"] == "event"]
-    return out

@@ -8,9 +8,11 @@
 * ``nan@R:I``     rank R's loss, and so its gradients, are NaN in iteration I: the step is
   skipped on every rank.
 
-A fault fires once, in the first attempt of the job (``TORCHELASTIC_RESTART_COUNT`` unset or
-0): a job restarted by ``torchrun --max-restarts`` after an injected crash resumes from its
-checkpoint and runs through the crash's iteration again without dying again.
+A fault fires once, in the attempt of the job that first reaches its iteration: attempt
+``TORCHELASTIC_RESTART_COUNT`` = the number of injected crashes at earlier iterations (each
+crash costs one restart under ``torchrun --max-restarts``). So a restarted job resumes from
+its checkpoint and runs through the crash's iteration again without dying again, and five
+crashes in one run fire one per attempt.
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ class FaultInjector:
     """This rank's faults; the loop calls ``before_step`` at the start of every attempt."""
 
     def __init__(self, faults: list[Fault], rank: int) -> None:
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
-        self.pending = [f for f in faults if f.rank == rank] if first_attempt else []
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        crashes = sorted({f.iteration for f in faults if f.kind == "crash"})
+        self.pending = [f for f in faults
+                        if f.rank == rank and sum(i < f.iteration for i in crashes) == attempt]
 
     def before_step(self, iteration: int, on_fire=None) -> Fault | None:
         """Fire this rank's fault for ``iteration`` (1-based). Returns a ``nan`` fault for the

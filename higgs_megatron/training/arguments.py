@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-json", default=None, metavar="PATH",
                    help="append one JSON object per logged iteration and per event")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases, in this project")
+    g.add_argument("--wandb-mode", choices=("offline", "online"), default="offline",
+                   help="offline (default) writes the run locally, for `wandb sync` later")
+    g.add_argument("--wandb-dir", default=None, help="where W&B writes its files")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads per rank on CPU; default: cores / local ranks")
     g = parser.add_argument_group("checkpoints")
@@ -238,6 +242,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             import tensorboard  # noqa: F401
         except ImportError:
             raise UsageError("--tensorboard-dir needs the tensorboard package: pip install 'higgs-megatron[tensorboard]'")
+    if args.wandb_project is not None:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UsageError("--wandb-project needs the wandb package: pip install 'higgs-megatron[wandb]'")
     try:
         weights = [float(w) for w in args.split.split(",")]
         assert len(weights) == 3 and min(weights) >= 0 and weights[0] > 0 and weights[1] > 0

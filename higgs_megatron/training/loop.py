@@ -31,6 +31,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import check_param_hashes_across_dp_replicas, get_model_config
 
+from ..callbacks import Callback, TensorBoardCallback, WandbCallback
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.async_save import AsyncCheckpointer
@@ -80,11 +81,12 @@ def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module, poison:
 class Trainer:
     """Owns one job's state; ``train()`` runs the loop and returns the history."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, callbacks: list[Callback] | None = None) -> None:
         self.args = args
         self.rank = dist.get_rank()
-        self.log = MetricsLogger(is_writer=self.rank == dist.get_world_size() - 1,
-                                 log_json=args.log_json, tensorboard_dir=args.tensorboard_dir)
+        is_writer = self.rank == dist.get_world_size() - 1
+        self.log = MetricsLogger(is_writer=is_writer, log_json=args.log_json,
+                                 callbacks=(_callbacks_from_args(args) if is_writer else []) + list(callbacks or []))
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
@@ -415,6 +417,17 @@ class _Window:
         totals = self.totals.clone()
         dist.all_reduce(totals)
         return (totals / (dist.get_world_size() * max(1, self.iterations))).tolist()
+
+
+def _callbacks_from_args(args: argparse.Namespace) -> list[Callback]:
+    callbacks: list[Callback] = []
+    if args.tensorboard_dir:
+        callbacks.append(TensorBoardCallback(args.tensorboard_dir))
+    if args.wandb_project:
+        callbacks.append(WandbCallback(args.wandb_project, mode=args.wandb_mode, directory=args.wandb_dir,
+                                       config={k: v for k, v in vars(args).items()
+                                               if isinstance(v, (int, float, str, bool, type(None)))}))
+    return callbacks
 
 
 def _default_threads() -> int:

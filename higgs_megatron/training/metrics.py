@@ -1,18 +1,22 @@
-"""What a user sees of a run: Megatron-style log lines, a JSONL metrics file, TensorBoard.
+"""What a user sees of a run: Megatron-style log lines, a JSONL metrics file, callbacks.
 
 One rank writes (Megatron-LM logs from the last rank, which holds the loss under pipeline
 parallelism); the others stay quiet. Each logged iteration becomes one line like
 Megatron-LM's ``training_log`` and, with ``--log-json PATH``, one JSON object
 ``{"type": "iteration", ...}``; every event (corpus built, evaluation, later checkpoints
-and alignments) becomes ``{"type": "event", "event": NAME, ...}`` in the same file.
+and alignments) becomes ``{"type": "event", "event": NAME, ...}`` in the same file. Both
+also go to the ``callbacks`` (TensorBoard, W&B, a user's own: ``higgs_megatron.callbacks``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from typing import Any, TextIO
+
+from ..callbacks import Callback
 
 
 def _format_value(key: str, value: Any) -> str:
@@ -26,16 +30,13 @@ def _format_value(key: str, value: Any) -> str:
 class MetricsLogger:
     """Writes log lines and JSONL records on the writing rank; a no-op elsewhere."""
 
-    def __init__(self, is_writer: bool, log_json: str | None = None, tensorboard_dir: str | None = None,
+    def __init__(self, is_writer: bool, log_json: str | None = None, callbacks: list[Callback] | None = None,
                  stream: TextIO | None = None) -> None:
         self.is_writer = is_writer
         self.stream = stream or sys.stdout
         self._json = open(log_json, "a", buffering=1) if (is_writer and log_json) else None
-        self._tensorboard = None
-        if is_writer and tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+        self.callbacks = list(callbacks or []) if is_writer else []
+        self._lock = threading.Lock()  # the watchdog's thread logs too
 
     def print(self, message: str) -> None:
         if self.is_writer:
@@ -49,11 +50,9 @@ class MetricsLogger:
         parts = [f" [{stamp}] iteration {iteration:8d}/{train_iters:8d}"]
         parts += [f"{key}: {_format_value(key, value)}" for key, value in fields.items()]
         self.print(" | ".join(parts) + " |")
-        self._write_json({"type": "iteration", "iteration": iteration, **_json_keys(fields)})
-        if self._tensorboard is not None:
-            for key, value in fields.items():
-                if isinstance(value, (int, float)):
-                    self._tensorboard.add_scalar(key, value, iteration)
+        self._write_json({"type": "iteration", "iteration": iteration, "time": time.time(), **_json_keys(fields)})
+        for callback in self.callbacks:
+            callback.on_iteration(iteration, fields)
 
     def event(self, name: str, message: str | None = None, **fields: Any) -> None:
         if not self.is_writer:
@@ -61,22 +60,21 @@ class MetricsLogger:
         if message:
             self.print(message)
         self._write_json({"type": "event", "event": name, "time": time.time(), **fields})
-        if self._tensorboard is not None and "iteration" in fields:
-            for key, value in fields.items():
-                if isinstance(value, (int, float)) and key != "iteration":
-                    self._tensorboard.add_scalar(f"{name}/{key}", value, fields["iteration"])
+        for callback in self.callbacks:
+            callback.on_event(name, fields)
 
     def _write_json(self, record: dict[str, Any]) -> None:
         if self._json is not None:
-            self._json.write(json.dumps(record) + "\n")
+            with self._lock:
+                self._json.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self._json is not None:
             self._json.close()
             self._json = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        for callback in self.callbacks:
+            callback.close()
+        self.callbacks = []
 
 
 def _json_keys(fields: dict[str, Any]) -> dict[str, Any]:

@@ -83,8 +83,12 @@ class Resilience:
         """Start an attempt of ``iteration``; returns a ``nan`` fault to apply to the loss."""
         self.attempt_started = time.monotonic()
         self.phase(iteration, "forward-backward")
-        return self.injector.before_step(iteration, on_fire=lambda fault: self.log.print(
-            f" [rank {self.rank}] injecting fault {fault} at iteration {iteration}"))
+        return self.injector.before_step(iteration, on_fire=self._fired)
+
+    def _fired(self, fault: Fault) -> None:
+        print(f" [rank {self.rank}] injecting fault {fault} at iteration {fault.iteration}", flush=True)
+        self.log.event("fault_injected", fault=str(fault), kind=fault.kind, rank=fault.rank,
+                       iteration=fault.iteration)
 
     def vote(self, iteration: int) -> bool:
         """True: keep the step. False: every rank drops it (already logged)."""
