@@ -95,3 +95,19 @@ def test_wandb_callback_logs_offline_runs(monkeypatch, tmp_path):
     assert calls[2] == ("log", {"progress_alignment/seconds_lost": 3.0, "progress_alignment/count": 1}, 6)
     assert calls[3] == ("log", {"progress_alignment/seconds_lost": 1.0, "progress_alignment/count": 2}, 9)
     assert calls[4] == ("finish",)
+
+
+def test_tensorboard_callback_writes_iterations_and_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from higgs_megatron.callbacks import TensorBoardCallback
+
+    log = MetricsLogger(is_writer=True, callbacks=[TensorBoardCallback(str(tmp_path))], stream=io.StringIO())
+    log.iteration(1, 10, {"lm loss": 3.0})
+    log.iteration(2, 10, {"lm loss": 2.5})
+    log.event("progress_alignment", iteration=2, cause="timeout", seconds_lost=4.0)
+    log.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [(1, 3.0), (2, 2.5)]
+    assert [(e.step, e.value) for e in events.Scalars("progress_alignment/seconds_lost")] == [(2, 4.0)]

@@ -133,3 +133,12 @@ def test_crash_restarts_and_resumes_from_the_latest_checkpoint(tmp_path, tiny_gp
         for key in a["final"]:
             for (shape_a, offset_a, piece_a), (shape_b, offset_b, piece_b) in zip(a["final"][key], b["final"][key]):
                 assert torch.equal(piece_a, piece_b), key
+
+
+def test_a_lost_peer_is_told_from_other_failures():
+    from higgs_megatron.training.resilience import peer_lost
+
+    gone = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:27528: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging")
+    assert peer_lost(gone)
+    assert not peer_lost(RuntimeError("shape mismatch in all_gather"))

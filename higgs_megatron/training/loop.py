@@ -45,7 +45,7 @@ from .data import Batch, build_datasets, iteration_batches
 from .metrics import MetricsLogger
 from .model import build_model, build_optimizer, build_scheduler, num_parameters, transformer_config
 from .parallel import destroy_parallel, init_parallel, local_world_size, set_seeds
-from .resilience import Resilience
+from .resilience import Resilience, peer_lost
 
 
 @dataclass
@@ -488,10 +488,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if dist_rank_or_launcher() == 0:
             print(f"checkpoint error: {error}", file=sys.stderr, flush=True)
         return EXIT_CHECKPOINT
+    except RuntimeError as error:
+        if not peer_lost(error):
+            raise
+        print(f"[rank {dist_rank_or_launcher()}] a peer rank is gone ({str(error).splitlines()[0][:200]}); "
+              f"exiting with status {EXIT_PEER_LOST} so that torchrun --max-restarts restarts the job "
+              "(with --auto-resume it resumes from the latest committed checkpoint)", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
     return 0
 
 
 EXIT_CHECKPOINT = 3
+EXIT_PEER_LOST = 75  # EX_TEMPFAIL: try again
 
 
 def dist_rank_or_launcher() -> int:

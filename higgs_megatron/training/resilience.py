@@ -31,6 +31,15 @@ from ..stability.progress import ProgressBoard, Watchdog, job_store
 from .metrics import MetricsLogger
 
 
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether a collective failed because a peer process is gone (gloo's socket errors)."""
+    text = str(error).lower()
+    return any(marker in text for marker in _PEER_LOST)
+
+
 class Resilience:
     _instances = 0
 
