@@ -91,7 +91,9 @@ _FLAG_OF_FIELD = {
 }
 
 
-def add_higgs_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_higgs_args(parser: argparse.ArgumentParser, weight_hash_check: bool = True) -> argparse.ArgumentParser:
+    """Add the flags; ``weight_hash_check=False`` leaves out the replica hash check for a parser
+    that defines it already (Megatron-LM's, with the same meaning)."""
     defaults = HiggsConfig()
     g = parser.add_argument_group("higgs: compressed data-parallel gradient sync")
     g.add_argument("--use-higgs", action="store_true",
@@ -113,8 +115,9 @@ def add_higgs_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --higgs-sync auto: assume links of this many Gbit/s instead of measuring them")
     g.add_argument("--higgs-node-link-gbps", type=float, default=defaults.node_link_gbps,
                    help="with --higgs-link-gbps: the links inside a node (default: the same)")
-    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
-                   help="every N iterations verify that all DP replicas hold identical parameters")
+    if weight_hash_check:
+        g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                       help="every N iterations verify that all DP replicas hold identical parameters")
     return parser
 
 

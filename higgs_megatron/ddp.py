@@ -293,7 +293,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         average = self.ddp_config.average_in_collective
         reduce_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         density = shared.config.density(self.higgs_steps)
-        stats = SyncStats(density=density)
+        stats = SyncStats(density=density if shared.selector is not None else 1.0)
         dense_works, sparse = [], []
         for idx, bucket in enumerate(self.buckets):
             grad = bucket.grad_data

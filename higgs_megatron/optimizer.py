@@ -43,6 +43,8 @@ class HiggsOptimizer(MegatronOptimizer):
         self.inner = optimizer
         self.model_chunks = [m for m in model_chunks if isinstance(m, HiggsDDP)]
         self.skipped_steps = 0
+        self.skip_residuals_on_load = False
+        """Set by a loader moving to another layout: residuals are not loaded and stay zero."""
         self.on_skip: list[Callable[[], None]] = []
         for chunk in self.model_chunks:
             chunk.track_nonfinite(True)
@@ -82,14 +84,24 @@ class HiggsOptimizer(MegatronOptimizer):
                 "higgs_residuals": [chunk.residual_state() for chunk in self.model_chunks]}
 
     def load_state_dict(self, state_dict):
-        if "higgs_residuals" not in state_dict:
+        """Accepts what ``state_dict()`` returned, and what ``dist_checkpointing.load`` returns for
+        ``sharded_state_dict()`` (the wrapped optimizer's keys plus ``higgs_residuals``), as
+        Megatron-LM's loader passes it."""
+        if state_dict.keys() == {"optimizer", "higgs_residuals"}:
+            inner, residuals = state_dict["optimizer"], state_dict["higgs_residuals"]
+        else:
+            inner = {key: value for key, value in state_dict.items() if key != "higgs_residuals"}
+            residuals = state_dict.get("higgs_residuals")
+        if residuals is None and not self.skip_residuals_on_load:
             raise KeyError("optimizer state has no 'higgs_residuals': it was not saved by HiggsOptimizer")
-        self.inner.load_state_dict(state_dict["optimizer"])
-        for chunk, residuals in zip(self.model_chunks, state_dict["higgs_residuals"]):
-            chunk.load_residual_state(residuals)
+        self.inner.load_state_dict(inner)
+        if residuals is not None:
+            self.load_higgs_residuals(residuals)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         state = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        if is_loading and self.skip_residuals_on_load:
+            return state
         rank, world = dist.get_rank(), dist.get_world_size()
         state["higgs_residuals"] = [
             ShardedObject(f"higgs.residuals.chunk{i}", chunk.residual_state(), (world,), (rank,), replica_id=0)

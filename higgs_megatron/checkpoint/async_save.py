@@ -40,7 +40,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import (FileSy
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from .manifest import CheckpointError
-from .save import SaveResult, _begin, _commit, _first_line, _hash_files, _Snapshot, common_files, shard_files
+from .save import SaveResult, _begin, _commit, _first_line, hash_files, _Snapshot, common_files, shard_files
 from .state import shard_records, sharded_training_state
 
 
@@ -146,12 +146,12 @@ class AsyncCheckpointer:
                 break
             results[index] = written
         if not isinstance(results, Exception):
-            self._hashes = _hash_files(shard_files(rank, directory))
+            self._hashes = hash_files(shard_files(rank, directory))
         results_queue.put(results)
 
     def _finalize(self, snapshot: _Snapshot, shards: list) -> None:
         # The writer hashed the shard files; only rank 0's small common files are hashed here.
-        common = _hash_files(common_files(dist.get_rank(), snapshot.tmp))
+        common = hash_files(common_files(dist.get_rank(), snapshot.tmp))
         self._committed.append(_commit(snapshot, shards, (self._hashes or []) + common, None))
 
     def poll(self, blocking: bool = False) -> list[SaveResult]:

@@ -56,7 +56,7 @@ def find_checkpoint(load_dir: str | Path, version: int | None = None) -> Path | 
     return path
 
 
-def _agree(local_problems: list[str], what: str) -> None:
+def agree(local_problems: list[str], what: str) -> None:
     """All ranks learn every rank's problems; raise the same error everywhere."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local_problems)
@@ -82,9 +82,9 @@ def load_checkpoint(trainer, load_dir: str | Path, recovery_mode: str = "same-sh
                               + "\n  ".join(differences))
     prepare_fresh_optimizer_for_load(trainer.optimizer)
     state = sharded_training_state(trainer, is_loading=True, per_rank=not resharded)
-    _agree(uncovered_shards(manifest, shard_records(state, main_replica_only=False)) if resharded else [],
+    agree(uncovered_shards(manifest, shard_records(state, main_replica_only=False)) if resharded else [],
            f"{path} cannot be resharded to this layout")
-    _agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()), f"{path} failed its integrity check")
+    agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()), f"{path} failed its integrity check")
 
     loaded = dist_checkpointing.load(state, str(path))
     trainer.model[0].module.load_state_dict(loaded["model"])

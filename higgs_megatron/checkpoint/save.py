@@ -129,7 +129,7 @@ def _begin(trainer, save_dir: str | Path, keep_last: int | None) -> _Snapshot:
     return snapshot
 
 
-def _hash_files(paths: list[Path]) -> list[FileRecord]:
+def hash_files(paths: list[Path]) -> list[FileRecord]:
     return [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size) for p in paths]
 
 
@@ -147,7 +147,7 @@ def _commit(snapshot: _Snapshot, shards: list, files: list[FileRecord], error: s
         manifest = Manifest(
             iteration=snapshot.iteration, consumed_samples=snapshot.consumed_samples, layout=snapshot.layout,
             ranks=[r for r, _ in gathered], higgs=snapshot.higgs,
-            versions={"higgs_megatron": __version__, "megatron_core": _megatron_version(), "torch": torch.__version__},
+            versions={"higgs_megatron": __version__, "megatron_core": megatron_core_version(), "torch": torch.__version__},
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
         manifest.write(snapshot.tmp)
@@ -175,7 +175,7 @@ def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None)
     error, files = None, []
     try:
         dist_checkpointing.save(state, str(snapshot.tmp))
-        files = _hash_files(shard_files(rank, snapshot.tmp) + common_files(rank, snapshot.tmp))
+        files = hash_files(shard_files(rank, snapshot.tmp) + common_files(rank, snapshot.tmp))
     except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
         error = f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
     return _commit(snapshot, shards, files, error)
@@ -210,7 +210,7 @@ def committed_checkpoints(save_dir: Path) -> list[int]:
     return sorted(found)
 
 
-def _megatron_version() -> str:
+def megatron_core_version() -> str:
     from megatron.core import __version__ as version
 
     return version

@@ -1,0 +1,125 @@
+"""The flags the patches add to Megatron-LM's parser, and what they mean for Megatron-LM.
+
+``pretrain_gpt.py`` already hands ``pretrain()`` an ``extra_args_provider`` (ModelOpt's,
+when it is installed): ``chain_args_providers`` runs it first and adds ours after it, never
+replacing it. Our flags are those of this project's own pretrain script (``--use-higgs``,
+``--higgs-*``, ``--recovery-mode``, ``--checkpoint-version``, ``--async-checkpoint``,
+``--checkpoint-interval``); a flag Megatron-LM already defines with the same meaning
+(``--check-weight-hash-across-dp-replicas-interval``) is left to Megatron-LM.
+
+``translate_args`` runs right after Megatron-LM parses, before its own validation and
+before any process group exists. It refuses what cannot work, naming the flag
+(``PatchUsageError``), and maps ours onto Megatron-LM's where Megatron-LM has the
+mechanism: ``--checkpoint-version N`` is ``--ckpt-step N``; ``--async-checkpoint`` is
+``--async-save --use-persistent-ckpt-worker``. With ``--use-higgs`` and the distributed
+optimizer, checkpoints are saved ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``)
+so that ``--recovery-mode reshard`` can always move them to another TP/PP/DP layout.
+Without ``--use-higgs`` nothing is changed, and our other flags are refused rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from_args
+
+RECOVERY_MODES = ("same-sharding", "reshard")
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+class PatchUsageError(ValueError):
+    """A flag the patches read has a value they cannot run with; the message names it."""
+
+
+def _has_flag(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in parser._option_string_actions
+
+
+def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add our flags to Megatron-LM's parser (once; a second call changes nothing)."""
+    if _has_flag(parser, "--use-higgs"):
+        return parser
+    add_higgs_args(parser, weight_hash_check=not _has_flag(parser, "--check-weight-hash-across-dp-replicas-interval"))
+    g = parser.add_argument_group("higgs: checkpoints with a rank map (with --use-higgs)")
+    g.add_argument("--recovery-mode", choices=RECOVERY_MODES, default=None,
+                   help="on --load: same-sharding (the default) refuses a checkpoint saved with another layout, "
+                        "naming each difference; reshard loads it into this layout")
+    g.add_argument("--checkpoint-version", type=int, default=None,
+                   help="load the committed checkpoint of this iteration instead of the latest")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background (Megatron-LM's --async-save)")
+    g.add_argument("--checkpoint-interval", type=float, default=None,
+                   help="also save every SECONDS of wall-clock time, decided by all ranks together")
+    return parser
+
+
+def chain_args_providers(existing: ArgsProvider | None) -> ArgsProvider:
+    """An args provider that runs ``existing`` (if any), then adds our flags."""
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if existing is not None:
+            parser = existing(parser) or parser
+        return add_patch_args(parser)
+
+    provider.chained = existing  # type: ignore[attr-defined]
+    return provider
+
+
+# Our flags that mean something only with --use-higgs: (flag, attribute, value when not given).
+_HIGGS_ONLY = (
+    ("--recovery-mode", "recovery_mode", None),
+    ("--checkpoint-version", "checkpoint_version", None),
+    ("--async-checkpoint", "async_checkpoint", False),
+    ("--checkpoint-interval", "checkpoint_interval", None),
+)
+
+
+def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
+    """Check our flags against Megatron-LM's and map them onto it; the HiggsConfig, or None
+    without --use-higgs. Raises ``PatchUsageError`` naming the flag; changes ``args`` only
+    when every check has passed."""
+    if not args.use_higgs:
+        given = [flag for flag, name, unset in _HIGGS_ONLY if getattr(args, name) != unset]
+        if given:
+            raise PatchUsageError(f"{', '.join(given)}: only with --use-higgs (without it, Megatron-LM "
+                                  "runs exactly as unpatched)")
+        return None
+    try:
+        config = higgs_config_from_args(args)
+    except ValueError as error:
+        raise PatchUsageError(str(error)) from None
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+        raise PatchUsageError("--use-higgs replaces the reduction of Megatron's DistributedDataParallel; "
+                              "it does not combine with --use-torch-fsdp2 or --use-megatron-fsdp")
+    if (args.save or args.load) and args.ckpt_format != "torch_dist":
+        raise PatchUsageError(f"--ckpt-format {args.ckpt_format}: with --use-higgs, checkpoints carry a rank map, "
+                              "which covers the torch_dist format; use --ckpt-format torch_dist")
+    if args.checkpoint_version is not None:
+        if args.checkpoint_version < 0:
+            raise PatchUsageError(f"--checkpoint-version {args.checkpoint_version}: expected an iteration, 0 or more")
+        if not args.load:
+            raise PatchUsageError("--checkpoint-version: needs --load DIR (the checkpoints to choose from)")
+        if getattr(args, "ckpt_step", None) not in (None, args.checkpoint_version):
+            raise PatchUsageError(f"--checkpoint-version {args.checkpoint_version} and --ckpt-step {args.ckpt_step} "
+                                  "disagree; give one")
+    if args.checkpoint_interval is not None:
+        if not (args.checkpoint_interval > 0 and math.isfinite(args.checkpoint_interval)):
+            raise PatchUsageError(f"--checkpoint-interval {args.checkpoint_interval}: expected a positive "
+                                  "number of seconds")
+        if not args.save:
+            raise PatchUsageError("--checkpoint-interval: needs --save DIR")
+    if args.async_checkpoint and not args.save:
+        raise PatchUsageError("--async-checkpoint: needs --save DIR")
+
+    if args.checkpoint_version is not None:
+        args.ckpt_step = args.checkpoint_version
+    if args.async_checkpoint:
+        args.async_save = True
+        args.use_persistent_ckpt_worker = True
+    if args.use_distributed_optimizer and not getattr(args, "distrib_optim_fully_reshardable_mem_efficient", False):
+        args.dist_ckpt_optim_fully_reshardable = True
+    args.recovery_mode = args.recovery_mode or "same-sharding"
+    return config  # kept off ``args``: Megatron-LM pickles args into checkpoints, read back weights-only

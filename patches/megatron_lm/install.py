@@ -1,0 +1,185 @@
+"""Where the patches enter Megatron-LM's training code, and when.
+
+Megatron-LM's ``megatron.training.training`` imports by name what it builds a run from
+(``DDP``, ``get_megatron_optimizer``, ``save_checkpoint``, ``load_checkpoint``,
+``train_step``, ``checkpoint_and_decide_exit``); rebinding those names in that module, before
+``pretrain()`` uses them, changes what it builds without editing or copying its code.
+Nothing is rebound for good: every original is kept and ``uninstall()`` restores it.
+
+Two stages:
+
+1. ``install()``, before ``pretrain_gpt.py`` runs: ``megatron.training.pretrain`` becomes a
+   wrapper that chains our flags after the ``extra_args_provider`` the script passes, and
+   ``initialize.parse_args`` a wrapper that checks our flags right after Megatron-LM has
+   parsed (``arguments.translate_args``). Without ``--use-higgs`` that is all: Megatron-LM
+   runs as unpatched.
+2. ``activate(args)``, with ``--use-higgs``, still before any process group exists:
+   * ``DDP`` becomes HiggsDDP bound to the run's ``HiggsConfig`` (a subclass, so Megatron-LM's
+     ``isinstance(model_chunk, DDP)`` checks keep holding);
+   * ``get_megatron_optimizer`` returns the optimizer wrapped by ``wrap_optimizer``;
+   * ``train_step`` adds, per iteration, the bytes HiggsDDP handed to collectives, the dense
+     equivalent, the density in force and the compression time to the loss dict Megatron-LM
+     logs (so they appear in its iteration line, TensorBoard and W&B as "higgs ..." values,
+     per rank per step);
+   * ``save_checkpoint`` / ``load_checkpoint`` / ``checkpointing.generate_state_dict`` /
+     ``checkpointing.schedule_async_save`` go through ``rank_map.RankMapHooks``;
+   * with ``--checkpoint-interval``, ``checkpoint_and_decide_exit`` also saves when that much
+     wall-clock time has passed since the last save, as agreed by a MAX all-reduce.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import megatron.training as megatron_training
+import megatron.training.checkpointing as checkpointing
+import megatron.training.initialize as initialize
+import megatron.training.training as training
+
+from higgs_megatron import HiggsConfig, HiggsDDP, wrap_optimizer
+
+from .cpu import cpu_flag_problems
+from .arguments import PatchUsageError, chain_args_providers, translate_args
+from .rank_map import RankMapHooks
+
+EXIT_USAGE = 2
+_originals: dict[tuple[Any, str], Any] = {}
+
+
+def _rebind(owner: Any, name: str, value: Any) -> None:
+    _originals.setdefault((owner, name), getattr(owner, name))
+    setattr(owner, name, value)
+
+
+def original(owner: Any, name: str) -> Any:
+    """What ``owner.name`` was before the patches."""
+    return _originals.get((owner, name), getattr(owner, name))
+
+
+def uninstall() -> None:
+    """Put every rebound name back."""
+    for (owner, name), value in _originals.items():
+        setattr(owner, name, value)
+    _originals.clear()
+
+
+def install() -> None:
+    """Stage 1 (see the module docstring)."""
+    _rebind(megatron_training, "pretrain", _pretrain)
+    _rebind(training, "pretrain", _pretrain)
+    _rebind(initialize, "parse_args", _parse_args)
+
+
+@functools.wraps(training.pretrain)
+def _pretrain(*args: Any, **kwargs: Any) -> Any:
+    pretrain = original(training, "pretrain")
+    bound = inspect.signature(pretrain).bind(*args, **kwargs)
+    bound.arguments["extra_args_provider"] = chain_args_providers(bound.arguments.get("extra_args_provider"))
+    return pretrain(*bound.args, **bound.kwargs)
+
+
+def _parse_args(*args: Any, **kwargs: Any) -> Any:
+    parsed = original(initialize, "parse_args")(*args, **kwargs)
+    try:
+        if not torch.cuda.is_available():
+            missing = cpu_flag_problems(parsed)
+            if missing:
+                raise PatchUsageError(f"on a machine without CUDA, pretrain_gpt.py needs {' '.join(missing)}")
+        config = translate_args(parsed)
+    except PatchUsageError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE) from None
+    if config is not None:
+        activate(parsed, config)
+    return parsed
+
+
+def higgs_ddp_class(config: HiggsConfig) -> type:
+    """HiggsDDP with the run's config bound, constructed as Megatron-LM constructs its DDP."""
+
+    class MegatronLMHiggsDDP(HiggsDDP):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, higgs_config=config, **kwargs)
+
+    MegatronLMHiggsDDP.__qualname__ = "HiggsDDP"
+    return MegatronLMHiggsDDP
+
+
+def activate(args: Any, config: HiggsConfig) -> None:
+    """Stage 2 (see the module docstring)."""
+    hooks = RankMapHooks(args, config)
+    _rebind(training, "DDP", higgs_ddp_class(config))
+    _rebind(training, "get_megatron_optimizer", _get_megatron_optimizer)
+    _rebind(training, "train_step", _train_step)
+    _rebind(training, "save_checkpoint", functools.partial(hooks.save_checkpoint, original(training, "save_checkpoint")))
+    _rebind(training, "load_checkpoint", functools.partial(hooks.load_checkpoint, original(training, "load_checkpoint")))
+    _rebind(checkpointing, "generate_state_dict",
+            functools.partial(hooks.generate_state_dict, original(checkpointing, "generate_state_dict")))
+    _rebind(checkpointing, "schedule_async_save",
+            functools.partial(hooks.schedule_async_save, original(checkpointing, "schedule_async_save")))
+    if args.checkpoint_interval is not None:
+        _rebind(training, "checkpoint_and_decide_exit", _IntervalSaver(args.checkpoint_interval))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f" [higgs] HiggsDDP replaces Megatron's DDP ({config.compressor}, density {config.compression_ratio}, "
+              f"sync {config.sync}); checkpoints carry a rank map (--recovery-mode {args.recovery_mode})", flush=True)
+
+
+def _get_megatron_optimizer(config: Any, model_chunks: list, *args: Any, **kwargs: Any) -> Any:
+    optimizer = original(training, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
+    return wrap_optimizer(optimizer, model_chunks)
+
+
+def _stat_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *args: Any, **kwargs: Any) -> tuple:
+    result = original(training, "train_step")(forward_step_func, data_iterator, model, *args, **kwargs)
+    sent = dense = seconds = 0.0
+    density = 1.0
+    for chunk in model:
+        stats = chunk.take_stats()
+        sent, dense, seconds, density = sent + stats.bytes_sent, dense + stats.dense_bytes, \
+            seconds + stats.compress_seconds, stats.density
+    totals = torch.tensor([sent, dense, seconds], dtype=torch.float64, device=_stat_device())
+    dist.all_reduce(totals)  # every rank, every step: the sum over the pipeline stages' chunks
+    totals /= dist.get_world_size()
+    loss_dict = result[0]
+    if loss_dict:  # the last pipeline stage logs
+        device = next(iter(loss_dict.values())).device
+        loss_dict["higgs MB sent"] = torch.tensor(totals[0].item() / 1e6, device=device)
+        loss_dict["higgs MB dense"] = torch.tensor(totals[1].item() / 1e6, device=device)
+        loss_dict["higgs density"] = torch.tensor(density, device=device)
+        loss_dict["higgs compress ms"] = torch.tensor(totals[2].item() * 1e3, device=device)
+    return result
+
+
+class _IntervalSaver:
+    """``checkpoint_and_decide_exit`` that also saves every ``seconds`` of wall-clock time."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.last = time.monotonic()
+
+    def __call__(self, model: Any, optimizer: Any, scheduler: Any, iteration: int, flops: Any,
+                 checkpointing_context: Any, train_data_iterator: Any) -> bool:
+        args = megatron_training.get_args()
+        due = torch.tensor([1.0 if time.monotonic() - self.last >= self.seconds else 0.0], device=_stat_device())
+        dist.all_reduce(due, op=dist.ReduceOp.MAX)  # one rank's clock decides for all
+        regular = bool(args.save_interval) and iteration % args.save_interval == 0
+        if due.item() > 0 and not regular:
+            training.save_checkpoint_and_time(iteration, model, optimizer, scheduler, flops, checkpointing_context,
+                                              train_data_iterator=train_data_iterator)
+        if due.item() > 0 or regular:
+            self.last = time.monotonic()
+        return original(training, "checkpoint_and_decide_exit")(
+            model, optimizer, scheduler, iteration, flops, checkpointing_context, train_data_iterator)

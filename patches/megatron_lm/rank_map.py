@@ -1,0 +1,211 @@
+"""Megatron-LM's own torch_dist checkpoints, with this project's rank map added and checked.
+
+Megatron-LM's save and load are kept: its checkpoint holds more than model and optimizer
+(its args, the rerun state machine, FLOPs so far, the data iterator), and its loader already
+moves model and ``fully_reshardable`` optimizer state to another TP/PP/DP layout. What it
+lacks is what this module adds, using ``higgs_megatron.checkpoint``'s rank map, rules and
+file hashing:
+
+Save (``save_checkpoint``), all ranks:
+  1. while Megatron-LM builds its sharded state dict (``generate_state_dict``), each rank
+     records the tensor shards it holds as the main replica;
+  2. once the files are on disk (synchronous save: when Megatron-LM's ``save_checkpoint``
+     returns; ``--async-save``: in the save's finalization, after every rank's writer has
+     finished), each rank hashes the files it wrote, an all-gather brings files, shards,
+     hosts and coordinates to rank 0, and rank 0 writes ``rank_map.json`` atomically. That
+     file is the commit.
+  Megatron-LM moves its tracker (``latest_checkpointed_iteration.txt``) just before step 2,
+  so a crash in between leaves the tracker naming a checkpoint without a rank map: loading
+  then takes the newest committed checkpoint instead, and says so.
+
+Load (``load_checkpoint``), all ranks, before Megatron-LM reads anything:
+  1. the checkpoint: ``--checkpoint-version N`` (it must be committed), else the one the
+     tracker names if committed, else the newest committed one;
+  2. its layout against this run's: ``same-sharding`` refuses any difference, naming each;
+  3. every file's SHA-256 (shared out over the ranks; a mismatch or a missing file is
+     named with the rank that wrote it);
+  4. under ``reshard``, when Megatron-LM builds the state dict to load into, every shard this
+     rank needs must be tiled by saved shards;
+  then Megatron-LM loads that exact iteration (``args.ckpt_step``). Every failure is agreed
+  by all ranks and raised everywhere as ``CheckpointError`` before any state is touched.
+
+Error-feedback residuals are per rank; on a resumed run with the same layout they are
+restored, on a reshard they start at zero (the policy of ``higgs_megatron.checkpoint``) and
+RNG state follows Megatron-LM's own rule (kept when TP and PP are unchanged).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from higgs_megatron import HiggsConfig, __version__
+from higgs_megatron.checkpoint.load import agree
+from higgs_megatron.checkpoint.manifest import CheckpointError, Layout, Manifest, RankRecord, ShardRecord
+from higgs_megatron.checkpoint.optimizer_shards import owner_written_optimizer_state
+from higgs_megatron.checkpoint.save import (checkpoint_name, committed_checkpoints, common_files, current_coords,
+                                            current_layout, hash_files, megatron_core_version, shard_files)
+from higgs_megatron.checkpoint.state import (prepare_fresh_optimizer_for_load, shard_records, tolerate_torch_adam_step,
+                                             untie_adam_steps)
+from higgs_megatron.checkpoint.validation import layout_differences, uncovered_shards, verify_files
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class PendingRankMap:
+    """A save whose files are being written; ``commit`` writes its rank map (collective)."""
+    directory: Path
+    iteration: int
+    consumed_samples: int
+    layout: Layout
+    higgs: dict | None
+    started: float
+    shards: list[ShardRecord] = field(default_factory=list)
+    committed: bool = False
+
+    def commit(self) -> Manifest | None:
+        rank = dist.get_rank()
+        files = hash_files(shard_files(rank, self.directory) + common_files(rank, self.directory))
+        record = RankRecord(rank=rank, host=socket.gethostname(), coords=current_coords(), files=files,
+                            shards=self.shards)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, record)
+        manifest = Manifest(
+            iteration=self.iteration, consumed_samples=self.consumed_samples, layout=self.layout, ranks=gathered,
+            higgs=self.higgs, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            versions={"higgs_megatron": __version__, "megatron_core": megatron_core_version(),
+                      "torch": torch.__version__})
+        if rank == 0:
+            manifest.write(self.directory)
+        dist.barrier()
+        self.committed = True
+        if rank == 0:
+            total = sum(f.bytes for r in gathered for f in r.files)
+            print(f" [higgs] committed {self.directory} with its rank map ({len(gathered)} ranks, "
+                  f"{total / 1e6:.1f} MB, {time.perf_counter() - self.started:.2f} s after the save started)",
+                  flush=True)
+        return manifest
+
+
+class RankMapHooks:
+    """The state shared by the wrappers of Megatron-LM's checkpoint functions."""
+
+    def __init__(self, args: Any, config: HiggsConfig) -> None:
+        self.args = args
+        self.config = config
+        self.pending: PendingRankMap | None = None
+        self.loading: Manifest | None = None   # set while Megatron-LM loads a resharded checkpoint
+        self.loaded: Manifest | None = None
+
+    # --- save -----------------------------------------------------------------------
+
+    def save_checkpoint(self, original: Callable, iteration: int, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("non_persistent_ckpt") or kwargs.get("release"):
+            return original(iteration, *args, **kwargs)   # Megatron-LM's own kinds, left as they are
+        a = self.args
+        self.pending = PendingRankMap(
+            directory=Path(a.save) / checkpoint_name(iteration), iteration=int(iteration),
+            consumed_samples=int(getattr(a, "consumed_train_samples", 0)),
+            layout=current_layout(a.use_distributed_optimizer), higgs=self.config.to_dict(),
+            started=time.perf_counter())
+        with owner_written_optimizer_state():
+            result = original(iteration, *args, **kwargs)
+        if not a.async_save:
+            self.pending.commit()
+        return result
+
+    def schedule_async_save(self, original: Callable, request: Any) -> Any:
+        """Megatron-LM's async save: the rank map is committed in the save's finalization."""
+        if self.pending is not None and not self.pending.committed:
+            request.add_finalize_fn(self.pending.commit)
+        return original(request)
+
+    def generate_state_dict(self, original: Callable, *args: Any, **kwargs: Any) -> dict:
+        state = original(*args, **kwargs)
+        is_loading = (kwargs.get("optim_sd_kwargs") or {}).get("is_loading", False)
+        if not is_loading and self.pending is not None and not self.pending.committed:
+            self.pending.shards = shard_records(state)
+        elif is_loading and self.loading is not None:
+            agree(uncovered_shards(self.loading, shard_records(state, main_replica_only=False)),
+                   f"{Path(self.args.load) / checkpoint_name(self.loading.iteration)} cannot be resharded to "
+                   "this layout")
+        return state
+
+    # --- load -----------------------------------------------------------------------
+
+    def load_checkpoint(self, original: Callable, ddp_model: Any, optimizer: Any, scheduler: Any,
+                        load_arg: str = "load", *args: Any, **kwargs: Any) -> Any:
+        a = self.args
+        load_dir = getattr(a, load_arg, None)
+        if load_arg != "load" or not load_dir:
+            return original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)
+        path = choose_checkpoint(Path(load_dir), a.checkpoint_version)
+        if path is None:
+            return original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)  # nothing saved yet
+        manifest = Manifest.read(path)
+        differences = layout_differences(manifest.layout, current_layout(a.use_distributed_optimizer))
+        if differences and a.recovery_mode == "same-sharding":
+            raise CheckpointError(f"{path} was saved with another layout; --recovery-mode same-sharding refuses "
+                                  "to load it (use --recovery-mode reshard to move to this layout):\n  "
+                                  + "\n  ".join(differences))
+        agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()),
+               f"{path} failed its integrity check")
+        a.ckpt_step = manifest.iteration
+        resharded = bool(differences)
+        if hasattr(optimizer, "skip_residuals_on_load"):
+            optimizer.skip_residuals_on_load = resharded
+        self.loading = manifest if resharded else None
+        # megatron-core 0.16.1's distributed optimizer on torch Adam (no TE/Apex) cannot load into a
+        # fresh optimizer nor fill fully_reshardable state without these (see checkpoint.state).
+        if optimizer is not None:
+            prepare_fresh_optimizer_for_load(optimizer)
+        try:
+            with owner_written_optimizer_state(), tolerate_torch_adam_step():
+                result = original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)
+        finally:
+            self.loading = None
+        if optimizer is not None:
+            untie_adam_steps(optimizer)
+        self.loaded = manifest
+        if dist.get_rank() == 0:
+            how = "resharded: " + "; ".join(differences) if resharded else "same sharding"
+            print(f" [higgs] loaded {path}: rank map and {sum(len(r.files) for r in manifest.ranks)} file hashes "
+                  f"checked ({how})", flush=True)
+        return result
+
+
+def choose_checkpoint(load_dir: Path, version: int | None) -> Path | None:
+    """The committed checkpoint to load (see the module docstring); None when there is none."""
+    committed = committed_checkpoints(load_dir)
+    if version is not None:
+        if version not in committed:
+            raise CheckpointError(f"--checkpoint-version {version}: {load_dir / checkpoint_name(version)} is not a "
+                                  f"committed checkpoint (committed: {', '.join(map(str, committed)) or 'none'})")
+        return load_dir / checkpoint_name(version)
+    tracker = load_dir / TRACKER
+    named = None
+    if tracker.exists():
+        text = tracker.read_text().strip()
+        named = int(text) if text.isdigit() else None
+    if named is not None and named in committed:
+        return load_dir / checkpoint_name(named)
+    uncommitted = [p.name for p in load_dir.glob("iter_*") if p.is_dir() and not (p / "rank_map.json").exists()]
+    if not committed:
+        if uncommitted:
+            raise CheckpointError(f"{load_dir}: {', '.join(sorted(uncommitted))} has no rank map (saved without "
+                                  "--use-higgs, or interrupted before its commit); load it without --use-higgs, "
+                                  "or start from an empty --load directory")
+        return None
+    chosen = load_dir / checkpoint_name(committed[-1])
+    if dist.get_rank() == 0:
+        print(f" [higgs] warning: {tracker} names iteration {named}, which has no rank map (not committed); "
+              f"loading the newest committed checkpoint, {chosen}", flush=True)
+    return chosen

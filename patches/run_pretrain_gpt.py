@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Run a Megatron-LM checkout's pretrain_gpt.py, unchanged, with higgs-megatron's patches.
+
+    torchrun --nproc_per_node 8 patches/run_pretrain_gpt.py --megatron-lm-path ~/Megatron-LM \\
+        <pretrain_gpt.py flags> --use-higgs --higgs-compression-ratio 0.01
+
+Launcher flags (taken out before pretrain_gpt.py sees the rest):
+  --megatron-lm-path DIR               the checkout (default: $MEGATRON_LM_PATH); tag core_v0.16.1
+  --higgs-allow-untested-megatron-lm   run a checkout of another version anyway, with a warning
+                                       (or HIGGS_ALLOW_UNTESTED_MEGATRON_LM=1)
+  --higgs-no-patches                   run the checkout without the patches (CPU harness only):
+                                       the baseline that a run without --use-higgs must equal
+
+The checkout provides ``megatron.training`` and the script; ``megatron.core`` is the installed
+megatron-core this package pins (the same source as the tested checkout's). On a machine
+without CUDA the run goes through ``megatron_lm.cpu`` (gloo; see its docstring for the flags
+it needs). Exit status 2: bad flags or checkout; 1: a checkpoint refused (message on rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from megatron_lm.checkout import CheckoutError, check_checkout, use_checkout  # noqa: E402
+
+
+def _split_launcher_args(argv: list[str]) -> tuple[str | None, bool, bool, list[str]]:
+    path, allow, rest = os.environ.get("MEGATRON_LM_PATH"), os.environ.get("HIGGS_ALLOW_UNTESTED_MEGATRON_LM") == "1", []
+    patched = True
+    items = iter(argv)
+    for item in items:
+        if item == "--megatron-lm-path":
+            path = next(items, None)
+        elif item.startswith("--megatron-lm-path="):
+            path = item.split("=", 1)[1]
+        elif item == "--higgs-allow-untested-megatron-lm":
+            allow = True
+        elif item == "--higgs-no-patches":
+            patched = False
+        else:
+            rest.append(item)
+    return path, allow, patched, rest
+
+
+def _say(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    path, allow, patched, rest = _split_launcher_args(argv)
+    try:
+        checkout = check_checkout(path, allow)
+    except CheckoutError as error:
+        _say(f"run_pretrain_gpt.py: error: {error}")
+        return 2
+    use_checkout(checkout)
+
+    import torch
+
+    from higgs_megatron.checkpoint.manifest import CheckpointError
+    from megatron_lm import install
+
+    if patched:
+        install.install()
+    script = checkout / "pretrain_gpt.py"
+    sys.argv = [str(script), *rest]
+    try:
+        if torch.cuda.is_available():
+            runpy.run_path(str(script), run_name="__main__")
+        else:
+            from megatron_lm.cpu import megatron_lm_on_cpu
+
+            with megatron_lm_on_cpu():
+                runpy.run_path(str(script), run_name="__main__")
+    except CheckpointError as error:
+        _say(f"pretrain_gpt.py: checkpoint error: {error}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
