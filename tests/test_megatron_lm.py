@@ -1,0 +1,158 @@
+"""Megatron-LM's own pretrain_gpt.py (a core_v0.16.1 checkout, unmodified) under the patches,
+on CPU over gloo: sync equivalence, compression, the rank map on its checkpoints, reshard.
+
+Needs ``MEGATRON_LM_PATH`` (a checkout of tag core_v0.16.1) and Megatron-LM's training
+imports (``pip install -e '.[megatron-lm]'``); skipped, saying which is missing, without them.
+Megatron-LM logs, on the second iteration after a resume, the mean of the first two (its
+``training_log`` does not reset its sums on the first logged iteration): the continuity
+checks expect exactly that, and compare grad norms and final weights as well.
+"""
+
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from higgs_megatron.testing import REPO_ROOT, run_pretrain_script
+
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
+_MISSING = [name for name in ("transformers", "einops", "tiktoken", "sentencepiece", "regex", "six", "triton")
+            if importlib.util.find_spec(name) is None]
+pytestmark = [
+    pytest.mark.skipif(not CHECKOUT, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)"),
+    pytest.mark.skipif(bool(_MISSING), reason=f"Megatron-LM's training imports missing: {', '.join(_MISSING)} "
+                                              "(pip install -e '.[megatron-lm]')"),
+]
+
+LAUNCHER = REPO_ROOT / "patches" / "run_pretrain_gpt.py"
+CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+             "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+             "--no-bias-dropout-fusion", "--no-rope-fusion"]
+MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-layers", "2",
+         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+         "--micro-batch-size", "2", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
+         "--eval-interval", "1000"]
+LAYOUTS = {
+    "dp2": (2, []),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "pp2xdp2-distopt": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
+}
+_LINE = re.compile(r" iteration +(\d+)/ +\d+ \|.*")
+
+
+def megatron_lm(nproc: int, *argv: str, iters: int = 6, global_batch: int = 4, expect_ok: bool = True):
+    proc = run_pretrain_script(["--megatron-lm-path", CHECKOUT, *MODEL, *CPU_FLAGS, "--train-iters", str(iters),
+                                "--global-batch-size", str(global_batch), *argv], nproc=nproc, timeout=600,
+                               env={"TORCHDYNAMO_DISABLE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}, script=LAUNCHER)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def iterations(stdout: str) -> dict[int, dict[str, float]]:
+    """Per logged iteration: every 'name: value' field of Megatron-LM's line."""
+    found = {}
+    for match in _LINE.finditer(stdout):
+        fields = {}
+        for part in match.group(0).split("|")[1:]:
+            name, _, value = part.partition(":")
+            try:
+                fields[name.strip()] = float(value)
+            except ValueError:
+                continue
+        found[int(match.group(1))] = fields
+    return found
+
+
+def column(stdout: str, name: str) -> list[float]:
+    return [fields[name] for _, fields in sorted(iterations(stdout).items())]
+
+
+def tensors(checkpoint_dir, out) -> dict[str, torch.Tensor]:
+    """A torch_dist checkpoint's global tensors, read in this one process."""
+    dcp_to_torch_save(str(checkpoint_dir), str(out))
+    state = torch.load(out, weights_only=False)
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_higgs_none_equals_dense_and_one_percent_trains(layout):
+    nproc, flags = LAYOUTS[layout]
+    batch = 8 if nproc == 4 else 4
+    dense = megatron_lm(nproc, *flags, global_batch=batch).stdout
+    none = megatron_lm(nproc, *flags, "--use-higgs", "--higgs-compressor", "none", global_batch=batch).stdout
+    assert len(column(dense, "lm loss")) == 6
+    assert column(none, "lm loss") == column(dense, "lm loss")
+    assert column(none, "grad norm") == column(dense, "grad norm")
+    assert column(none, "higgs MB sent") == column(none, "higgs MB dense")
+
+    sparse = megatron_lm(nproc, *flags, "--use-higgs", "--higgs-sync", "sparse", "--higgs-compression-ratio", "0.01",
+                         iters=10, global_batch=batch).stdout
+    losses = column(sparse, "lm loss")
+    assert len(losses) == 10 and sum(losses[-3:]) < sum(losses[:3]), losses
+    sent, dense_bytes = column(sparse, "higgs MB sent"), column(sparse, "higgs MB dense")
+    assert all(0 < s < d / 5 for s, d in zip(sent, dense_bytes)), (sent, dense_bytes)
+    assert set(column(sparse, "higgs density")) == {0.01}
+
+
+def test_without_use_higgs_the_patched_run_equals_the_unpatched_checkout():
+    unpatched = megatron_lm(2, "--higgs-no-patches").stdout
+    patched = megatron_lm(2).stdout
+    assert column(patched, "lm loss") == column(unpatched, "lm loss") and len(column(patched, "lm loss")) == 6
+    assert column(patched, "grad norm") == column(unpatched, "grad norm")
+    assert "higgs" not in "".join(_LINE.findall(patched))
+
+
+@pytest.mark.parametrize("saving", ["sync", "async"])
+def test_save_and_resume_continue_the_straight_run(tmp_path, saving):
+    common = ["--use-higgs", "--higgs-sync", "sparse", "--use-distributed-optimizer", "--save-interval", "3"]
+    if saving == "async":
+        common.append("--async-checkpoint")
+    straight = megatron_lm(2, *common, "--save", str(tmp_path / "a")).stdout
+    resumed = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--load", str(tmp_path / "a"),
+                          "--checkpoint-version", "3").stdout
+    assert "rank map and 7 file hashes checked (same sharding)" in resumed
+    full, tail = iterations(straight), iterations(resumed)
+    assert sorted(tail) == [4, 5, 6]
+    assert tail[4]["lm loss"] == full[4]["lm loss"] and tail[6]["lm loss"] == full[6]["lm loss"]
+    assert tail[5]["lm loss"] == pytest.approx((full[4]["lm loss"] + full[5]["lm loss"]) / 2, rel=1e-6)
+    assert [tail[i]["grad norm"] for i in (4, 5, 6)] == [full[i]["grad norm"] for i in (4, 5, 6)]
+    a = tensors(tmp_path / "a" / "iter_0000006", tmp_path / "a.pt")
+    b = tensors(tmp_path / "b" / "iter_0000006", tmp_path / "b.pt")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("saved", ["tp2", "pp2"])
+def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, saved):
+    flag = "--tensor-model-parallel-size" if saved == "tp2" else "--pipeline-model-parallel-size"
+    common = ["--use-higgs", "--higgs-sync", "sparse", "--use-distributed-optimizer"]
+    megatron_lm(2, *common, flag, "2", "--save", str(tmp_path / "a"), "--save-interval", "3")
+
+    refused = megatron_lm(2, *common, "--load", str(tmp_path / "a"), expect_ok=False)
+    assert refused.returncode != 0
+    size = "tensor" if saved == "tp2" else "pipeline"
+    assert ("--recovery-mode same-sharding refuses to load it" in refused.stderr
+            and f"{size}-model-parallel size: checkpoint 2, now 1" in refused.stderr
+            and "data-parallel size: checkpoint 1, now 2" in refused.stderr), refused.stderr[-3000:]
+
+    # Loaded at DP=2 and saved again before any step: the same global tensors, model and optimizer.
+    again = megatron_lm(2, *common, "--load", str(tmp_path / "a"), "--checkpoint-version", "3",
+                        "--recovery-mode", "reshard", "--save", str(tmp_path / "b"), "--save-interval", "1000",
+                        "--use-checkpoint-opt_param-scheduler", iters=3).stdout
+    assert "(resharded: " in again
+    a = tensors(tmp_path / "a" / "iter_0000003", tmp_path / "a.pt")
+    b = tensors(tmp_path / "b" / "iter_0000003", tmp_path / "b.pt")
+    compared = [key for key in a if key.startswith(("decoder.", "embedding.", "output_layer.", "optimizer.state."))]
+    assert any(key.startswith("optimizer.state.exp_avg") for key in compared)
+    for key in compared:
+        assert torch.equal(a[key], b[key]), key
+
+    continued = megatron_lm(2, *common, "--load", str(tmp_path / "a"), "--checkpoint-version", "3",
+                            "--recovery-mode", "reshard").stdout
+    before, after = column(megatron_lm(2, *common, flag, "2").stdout, "lm loss"), column(continued, "lm loss")
+    assert len(after) == 3 and after[-1] < before[2], (before, after)

@@ -1,0 +1,158 @@
+"""The Megatron-LM patch layer's own logic, without a Megatron-LM checkout: flag chaining,
+flag checks and their mapping onto Megatron-LM's flags, the checkout version check, and
+the launcher's refusals. (Runs of a real checkout: tests/test_megatron_lm.py.)"""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from higgs_megatron.testing import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "patches"))
+
+from megatron_lm.arguments import PatchUsageError, add_patch_args, chain_args_providers, translate_args  # noqa: E402
+from megatron_lm.checkout import TESTED_TAG, CheckoutError, check_checkout, checkout_version  # noqa: E402
+
+LAUNCHER = REPO_ROOT / "patches" / "run_pretrain_gpt.py"
+
+
+def megatron_like_parser() -> argparse.ArgumentParser:
+    """The Megatron-LM flags translate_args reads, with Megatron-LM's names and defaults."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--load", default=None)
+    parser.add_argument("--ckpt-format", default="torch_dist")
+    parser.add_argument("--ckpt-step", type=int, default=None)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--use-persistent-ckpt-worker", action="store_true")
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true")
+    parser.add_argument("--use-torch-fsdp2", action="store_true")
+    parser.add_argument("--use-megatron-fsdp", action="store_true")
+    parser.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None)
+    return parser
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return chain_args_providers(None)(megatron_like_parser()).parse_args(list(argv))
+
+
+def test_chaining_runs_the_scripts_provider_first_and_keeps_its_flags():
+    calls = []
+
+    def modelopt_like(parser):
+        calls.append(parser)
+        parser.add_argument("--export-te-mcore-model", action="store_true")
+        return parser
+
+    provider = chain_args_providers(modelopt_like)
+    parser = provider(megatron_like_parser())
+    args = parser.parse_args(["--export-te-mcore-model", "--use-higgs", "--higgs-compression-ratio", "0.05",
+                              "--check-weight-hash-across-dp-replicas-interval", "7"])
+    assert len(calls) == 1 and provider.chained is modelopt_like
+    assert args.export_te_mcore_model and args.use_higgs and args.higgs_compression_ratio == 0.05
+    assert args.check_weight_hash_across_dp_replicas_interval == 7  # Megatron-LM's own flag, not redefined
+    assert add_patch_args(parser) is parser  # a second time adds nothing (and does not raise on duplicates)
+
+
+def test_a_provider_that_returns_nothing_is_tolerated():
+    args = chain_args_providers(lambda parser: None)(megatron_like_parser()).parse_args(["--use-higgs"])
+    assert args.use_higgs
+
+
+def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
+    args = parse("--save", "/ckpt")
+    before = vars(args).copy()
+    assert translate_args(args) is None and vars(args) == before
+    for flags, named in ((["--recovery-mode", "reshard"], "--recovery-mode"),
+                         (["--checkpoint-version", "3", "--load", "/x"], "--checkpoint-version"),
+                         (["--async-checkpoint", "--save", "/x"], "--async-checkpoint"),
+                         (["--checkpoint-interval", "60", "--save", "/x"], "--checkpoint-interval")):
+        with pytest.raises(PatchUsageError, match=f"{named}.*only with --use-higgs"):
+            translate_args(parse(*flags))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--higgs-compression-ratio", "0"], r"--higgs-compression-ratio: .*\(0, 1\]"),
+    (["--higgs-compression-ratio", "1.5"], r"--higgs-compression-ratio"),
+    (["--higgs-link-gbps", "10", "--higgs-sync", "sparse"], r"--higgs-link-gbps"),
+    (["--save", "/x", "--ckpt-format", "torch"], r"--ckpt-format torch: .*use --ckpt-format torch_dist"),
+    (["--use-torch-fsdp2"], r"--use-torch-fsdp2"),
+    (["--checkpoint-version", "3"], r"--checkpoint-version: needs --load"),
+    (["--checkpoint-version", "-1", "--load", "/x"], r"--checkpoint-version -1: expected an iteration"),
+    (["--checkpoint-version", "3", "--load", "/x", "--ckpt-step", "4"], r"disagree"),
+    (["--checkpoint-interval", "0", "--save", "/x"], r"--checkpoint-interval 0.0: expected a positive"),
+    (["--checkpoint-interval", "nan", "--save", "/x"], r"--checkpoint-interval nan"),
+    (["--checkpoint-interval", "30"], r"--checkpoint-interval: needs --save"),
+    (["--async-checkpoint"], r"--async-checkpoint: needs --save"),
+])
+def test_bad_flags_are_named_and_args_are_left_untouched(flags, message):
+    args = parse("--use-higgs", *flags)
+    before = vars(args).copy()
+    with pytest.raises(PatchUsageError, match=message):
+        translate_args(args)
+    assert vars(args) == before
+
+
+def test_our_flags_map_onto_megatron_lms():
+    args = parse("--use-higgs", "--higgs-compression-ratio", "0.02", "--save", "/s", "--load", "/s",
+                 "--checkpoint-version", "30", "--async-checkpoint", "--use-distributed-optimizer")
+    config = translate_args(args)
+    assert config.compression_ratio == 0.02
+    assert args.ckpt_step == 30
+    assert args.async_save and args.use_persistent_ckpt_worker
+    assert args.dist_ckpt_optim_fully_reshardable  # so that --recovery-mode reshard can load it later
+    assert args.recovery_mode == "same-sharding"
+    assert not hasattr(args, "higgs_config")  # Megatron-LM pickles args into checkpoints
+
+
+def test_dense_sync_keeps_megatron_lms_optimizer_format():
+    args = parse("--use-higgs", "--save", "/s")
+    translate_args(args)
+    assert not args.dist_ckpt_optim_fully_reshardable and not args.async_save and args.ckpt_step is None
+
+
+def write_checkout(path, version=(0, 16, 1)):
+    (path / "megatron" / "core").mkdir(parents=True)
+    (path / "megatron" / "training").mkdir(parents=True)
+    (path / "pretrain_gpt.py").write_text("raise SystemExit('not to be run in this test')\n")
+    (path / "megatron" / "training" / "training.py").write_text("")
+    major, minor, patch = version
+    (path / "megatron" / "core" / "package_info.py").write_text(
+        f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = ''\n")
+    return path
+
+
+def test_checkout_version_check(tmp_path):
+    good = write_checkout(tmp_path / "good")
+    assert checkout_version(good) == "0.16.1" and check_checkout(good) == good.resolve()
+    old = write_checkout(tmp_path / "old", (0, 15, 0))
+    with pytest.raises(CheckoutError, match=rf"version 0.15.0; .*tested with 0.16.1 \(tag {TESTED_TAG}\).*"
+                                            r"--higgs-allow-untested-megatron-lm"):
+        check_checkout(old)
+    with pytest.warns(UserWarning, match="running anyway"):
+        assert check_checkout(old, allow_untested=True) == old.resolve()
+    with pytest.raises(CheckoutError, match="no such directory"):
+        check_checkout(tmp_path / "absent")
+    with pytest.raises(CheckoutError, match="pretrain_gpt.py is missing"):
+        check_checkout(tmp_path)
+    with pytest.raises(CheckoutError, match="MEGATRON_LM_PATH"):
+        check_checkout(None)
+
+
+def run_launcher(*argv, env=None):
+    environment = {"PATH": "/usr/bin:/bin", **(env or {})}
+    return subprocess.run([sys.executable, str(LAUNCHER), *argv], capture_output=True, text=True, timeout=120,
+                          env=environment, cwd=REPO_ROOT)
+
+
+def test_launcher_refuses_a_missing_or_untested_checkout_before_running_it(tmp_path):
+    proc = run_launcher("--mock-data")
+    assert proc.returncode == 2 and "no Megatron-LM checkout given" in proc.stderr
+    old = write_checkout(tmp_path / "old", (0, 15, 0))
+    proc = run_launcher("--megatron-lm-path", str(old), "--mock-data")
+    assert proc.returncode == 2 and "is version 0.15.0" in proc.stderr
+    proc = run_launcher("--mock-data", env={"MEGATRON_LM_PATH": str(tmp_path / "absent")})
+    assert proc.returncode == 2 and "no such directory" in proc.stderr
