@@ -142,15 +142,22 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    return None
+def named_noop(name: str) -> Callable[..., None]:
+    """A no-op, one function object per name: torch.compile keeps a table keyed by the torch
+    functions it sees, and refuses one object standing for two of them."""
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    nothing.__name__ = nothing.__qualname__ = name
+    return nothing
 
 
 def _cuda_replacements() -> dict[str, Callable[..., Any] | type]:
     return {
         "current_device": lambda: _CPU,
-        "synchronize": _nothing,
-        "empty_cache": _nothing,
+        "synchronize": named_noop("synchronize"),
+        "empty_cache": named_noop("empty_cache"),
         "Stream": _Stream,
         "Event": _Event,
         "stream": lambda *a, **k: contextlib.nullcontext(),
@@ -160,7 +167,7 @@ def _cuda_replacements() -> dict[str, Callable[..., Any] | type]:
         "set_rng_state": _cpu_set_rng_state,
         "manual_seed": _cpu_manual_seed,
         # torch.manual_seed itself calls this after seeding the CPU generator.
-        "manual_seed_all": _nothing,
+        "manual_seed_all": named_noop("manual_seed_all"),
     }
 
 

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 import torch
 
-from higgs_megatron.cpu import cpu_megatron
+from higgs_megatron.cpu import named_noop, cpu_megatron
 
 # (flag, how argparse stores it, the value CPU needs)
 CPU_FLAGS = (
@@ -61,25 +61,25 @@ _DEVICE = SimpleNamespace(name="cpu", major=0, minor=0, total_memory=0, multi_pr
                           gcnArchName="", uuid="cpu")
 
 
-def _zero(*args: Any, **kwargs: Any) -> int:
-    return 0
+def _zero(name: str) -> Any:
+    def zero(*args: Any, **kwargs: Any) -> int:
+        return 0
 
-
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    return None
+    zero.__name__ = zero.__qualname__ = name
+    return zero
 
 
 _MEMORY_REPORTS = {
     "device_count": lambda: 1,
-    "set_device": _nothing,
-    "memory_allocated": _zero,
-    "max_memory_allocated": _zero,
-    "memory_reserved": _zero,
-    "max_memory_reserved": _zero,
+    "set_device": named_noop("set_device"),
+    "memory_allocated": _zero("memory_allocated"),
+    "max_memory_allocated": _zero("max_memory_allocated"),
+    "memory_reserved": _zero("memory_reserved"),
+    "max_memory_reserved": _zero("max_memory_reserved"),
     "memory_stats": lambda *a, **k: {},
     "mem_get_info": lambda *a, **k: (0, 0),
-    "reset_peak_memory_stats": _nothing,
-    "reset_max_memory_allocated": _nothing,
+    "reset_peak_memory_stats": named_noop("reset_peak_memory_stats"),
+    "reset_max_memory_allocated": named_noop("reset_max_memory_allocated"),
     "get_device_properties": lambda *a, **k: _DEVICE,
     "get_device_name": lambda *a, **k: _DEVICE.name,
     "get_device_capability": lambda *a, **k: (0, 0),
@@ -95,8 +95,8 @@ def persistent_worker_on_cpu(*args: Any, **kwargs: Any) -> Any:
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
     torch.cuda.device_count = lambda: 1
-    torch.cuda.set_device = _nothing
-    torch.cuda.synchronize = _nothing
+    torch.cuda.set_device = named_noop("set_device")
+    torch.cuda.synchronize = named_noop("synchronize")
     return PersistentAsyncCaller.async_loop(*args, **kwargs)  # unpatched in this fresh process
 
 
@@ -126,7 +126,7 @@ def megatron_lm_on_cpu() -> Iterator[None]:
         try:
             for name, value in _MEMORY_REPORTS.items():
                 patch(torch.cuda, name, value)
-            patch(fused_kernels, "load", _nothing)
+            patch(fused_kernels, "load", named_noop("load"))
             patch(PersistentAsyncCaller, "async_loop", staticmethod(persistent_worker_on_cpu))
             patch(training, "build_train_valid_test_data_iterators",
                   _fenced_from_rng(training.build_train_valid_test_data_iterators))
