@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 
 from ..config import add_higgs_args, higgs_config_from_args
+from ..memory import OffloadError
+from ..memory.flags import add_offload_args, offload_config_from_args
 from ..stability.faults import FaultSpecError, parse_fault
 
 EXIT_USAGE = 2
@@ -63,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="auto: Transformer Engine when it is importable and CUDA is present, else local")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="activation recomputation (Megatron's): full layers, or the attention core only")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with full: recompute groups of --recompute-num-layers (uniform) or the first N (block)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="with full (default 1)")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -139,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inject-fault", action="append", default=[], metavar="KIND@RANK:ITER[:SECONDS]",
                    help="inject a fault (hang, slow, crash, nan) on a rank at an iteration; repeatable")
     add_higgs_args(parser)
+    add_offload_args(parser)
     return parser
 
 
@@ -179,6 +187,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.higgs_config = higgs_config_from_args(args) if args.use_higgs else None
     except ValueError as error:
         raise UsageError(str(error)) from None
+    try:
+        args.offload_config = offload_config_from_args(args)
+    except OffloadError as error:
+        raise UsageError(str(error)) from None
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise UsageError("--recompute-granularity full needs --recompute-method uniform or block")
+    if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
+        raise UsageError("--recompute-method and --recompute-num-layers: only with --recompute-granularity full")
+    if args.recompute_granularity == "full":
+        args.recompute_num_layers = args.recompute_num_layers or 1
+        per_stage = args.num_layers // max(1, args.pipeline_model_parallel_size)
+        if not 1 <= args.recompute_num_layers <= per_stage:
+            raise UsageError(f"--recompute-num-layers {args.recompute_num_layers}: expected 1 to {per_stage} "
+                             "(the layers of one pipeline stage)")
     if args.eval_iters < 0:
         raise UsageError(f"--eval-iters must be 0 or more, got {args.eval_iters}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

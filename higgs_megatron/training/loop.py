@@ -38,6 +38,8 @@ from ..checkpoint.async_save import AsyncCheckpointer
 from ..checkpoint.save import SaveResult, save_checkpoint
 from ..cpu import cpu_megatron
 from ..ddp import HiggsDDP, dense_bytes_per_step
+from ..memory import CudaProbe, HostProbe, MemoryManager, ScriptedProbe
+from ..memory.probe import MemoryProbe
 from ..optimizer import wrap_optimizer
 from .arguments import UsageError, parse_args, report_usage_error
 from .corpus import DataPathError, build_corpus, find_text_files
@@ -121,6 +123,7 @@ class Trainer:
             self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
         self._wire_megatron_hooks()
+        self.memory = self._memory_manager(args)
 
         params = torch.tensor([num_parameters(self.model)], dtype=torch.long)
         if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
@@ -388,7 +391,28 @@ class Trainer:
         self.iteration = state["iteration"]
         self.consumed_samples = state["consumed_samples"]
 
+    def _memory_manager(self, args: argparse.Namespace) -> MemoryManager | None:
+        if args.higgs_block_allocator != "off" and not torch.cuda.is_available():
+            self.log.event("block_allocator_ignored", " --higgs-block-allocator: no CUDA caching allocator here "
+                           "(CPU run); nothing to configure")
+        if args.offload_config is None:
+            return None
+        config = args.offload_config
+        if args.higgs_offload_schedule:
+            probe: MemoryProbe = ScriptedProbe.parse(args.higgs_offload_schedule)
+        else:
+            probe = CudaProbe() if torch.cuda.is_available() else HostProbe()
+        manager = MemoryManager(self.optimizer, self.model, config, probe, on_event=lambda name, message, **fields:
+                                self.log.event(name, message, iteration=self.iteration + 1, **fields)).attach()
+        self.log.event("offload_ready", f" optimizer state leaves the device above {config.threshold:.0%} of its "
+                       f"memory, returns below {config.threshold - config.hysteresis:.0%} (tier {config.device}; "
+                       f"probe {type(probe).__name__})", threshold=config.threshold, hysteresis=config.hysteresis,
+                       tier=config.device, probe=type(probe).__name__)
+        return manager
+
     def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()
         self.resilience.close(self.iteration)
         self.log.close()
 
@@ -450,6 +474,9 @@ def training_environment(args: argparse.Namespace) -> Iterator[None]:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if not torch.cuda.is_available():
         torch.set_num_threads(args.num_threads or _default_threads())
+    if getattr(args, "higgs_block_allocator", "off") == "expandable" and torch.cuda.is_available():
+        # Before the first allocation: one growing segment per stream instead of fixed blocks.
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     scope = cpu_megatron() if not torch.cuda.is_available() else contextlib.nullcontext()
     with scope:
         init_parallel(args.distributed_backend, args.tensor_model_parallel_size,

@@ -53,6 +53,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         bias_dropout_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
     )
 
 
