@@ -32,6 +32,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--use-torch-fsdp2", action="store_true")
     parser.add_argument("--use-megatron-fsdp", action="store_true")
     parser.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None)
+    parser.add_argument("--non-persistent-save-interval", type=int, default=None)
+    parser.add_argument("--optimizer", default="adam")
     return parser
 
 
@@ -81,7 +83,10 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--save", "/x", "--ckpt-format", "torch"], r"--ckpt-format torch: .*use --ckpt-format torch_dist"),
     (["--use-torch-fsdp2"], r"--use-torch-fsdp2"),
     (["--checkpoint-version", "3"], r"--checkpoint-version: needs --load"),
-    (["--checkpoint-version", "-1", "--load", "/x"], r"--checkpoint-version -1: expected an iteration"),
+    (["--checkpoint-version", "0", "--load", "/x"], r"--checkpoint-version 0: expected an iteration, 1 or more"),
+    (["--ckpt-step", "0", "--load", "/x"], r"--ckpt-step 0: expected an iteration, 1 or more"),
+    (["--non-persistent-save-interval", "5"], r"--non-persistent-save-interval: .*not with --use-higgs"),
+    (["--optimizer", "muon"], r"--optimizer muon"),
     (["--checkpoint-version", "3", "--load", "/x", "--ckpt-step", "4"], r"disagree"),
     (["--checkpoint-interval", "0", "--save", "/x"], r"--checkpoint-interval 0.0: expected a positive"),
     (["--checkpoint-interval", "nan", "--save", "/x"], r"--checkpoint-interval nan"),
@@ -106,6 +111,12 @@ def test_our_flags_map_onto_megatron_lms():
     assert args.dist_ckpt_optim_fully_reshardable  # so that --recovery-mode reshard can load it later
     assert args.recovery_mode == "same-sharding"
     assert not hasattr(args, "higgs_config")  # Megatron-LM pickles args into checkpoints
+
+
+def test_megatron_lms_ckpt_step_is_validated_as_checkpoint_version():
+    args = parse("--use-higgs", "--load", "/s", "--ckpt-step", "7")
+    translate_args(args)
+    assert args.checkpoint_version == 7 and args.ckpt_step == 7
 
 
 def test_dense_sync_keeps_megatron_lms_optimizer_format():

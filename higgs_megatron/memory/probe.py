@@ -3,7 +3,7 @@
 A probe returns the *peak* use since it was last reset: the manager reads it as a step
 begins and resets it once the step has put offloaded state away again, so the decision sees
 the forward/backward that just ran (when activations hold the memory), not the optimizer
-step, which pages everything in. ``CudaProbe`` reads the caching allocator (peak reserved
+step, which pages everything in. ``CudaProbe`` reads the caching allocator (peak allocated
 bytes); ``HostProbe`` reads host RAM (for a CPU run, host memory *is* the
 device); ``ScriptedProbe`` replays a schedule of fractions, one per read, so the policy can
 be exercised step by step, deterministically, without a GPU.
@@ -36,14 +36,16 @@ class MemoryProbe(Protocol):
 
 
 class CudaProbe:
-    """The caching allocator's peak reserved bytes against the device's total memory."""
+    """The caching allocator's peak allocated bytes against the device's total memory."""
 
     def __init__(self, device: int | None = None) -> None:
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def read(self) -> MemoryReading:
-        used = torch.cuda.max_memory_reserved(self.device)
+        # Allocated, not reserved: state sent away returns to the caching allocator but stays
+        # reserved, so a reserved-based reading would never fall and state would never return.
+        used = torch.cuda.max_memory_allocated(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
         return MemoryReading(used_bytes=int(used), total_bytes=int(total))
 

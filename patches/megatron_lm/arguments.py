@@ -94,12 +94,24 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         raise PatchUsageError("--use-higgs replaces the reduction of Megatron's DistributedDataParallel; "
                               "it does not combine with --use-torch-fsdp2 or --use-megatron-fsdp")
+    for flag, name in (("--non-persistent-save-interval", "non_persistent_save_interval"),
+                       ("--save-retain-interval", "save_retain_interval"), ("--adlr-autoresume", "adlr_autoresume")):
+        if getattr(args, name, None):
+            raise PatchUsageError(f"{flag}: its saves bypass the rank map (or delete before the commit); "
+                                  "not with --use-higgs")
+    if "muon" in str(getattr(args, "optimizer", "adam")):
+        raise PatchUsageError(f"--optimizer {args.optimizer}: Megatron-LM builds Muon outside get_megatron_optimizer, "
+                              "which --use-higgs wraps; use adam or sgd")
     if (args.save or args.load) and args.ckpt_format != "torch_dist":
         raise PatchUsageError(f"--ckpt-format {args.ckpt_format}: with --use-higgs, checkpoints carry a rank map, "
                               "which covers the torch_dist format; use --ckpt-format torch_dist")
+    version = args.checkpoint_version if args.checkpoint_version is not None else getattr(args, "ckpt_step", None)
+    if version is not None and args.checkpoint_version is None and version < 1:
+        raise PatchUsageError(f"--ckpt-step {version}: expected an iteration, 1 or more")
     if args.checkpoint_version is not None:
-        if args.checkpoint_version < 0:
-            raise PatchUsageError(f"--checkpoint-version {args.checkpoint_version}: expected an iteration, 0 or more")
+        if args.checkpoint_version < 1:
+            # Megatron-LM reads ckpt_step 0 as "not given" and would load the tracker's checkpoint.
+            raise PatchUsageError(f"--checkpoint-version {args.checkpoint_version}: expected an iteration, 1 or more")
         if not args.load:
             raise PatchUsageError("--checkpoint-version: needs --load DIR (the checkpoints to choose from)")
         if getattr(args, "ckpt_step", None) not in (None, args.checkpoint_version):
@@ -114,6 +126,8 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
     if args.async_checkpoint and not args.save:
         raise PatchUsageError("--async-checkpoint: needs --save DIR")
 
+    if args.checkpoint_version is None and getattr(args, "ckpt_step", None) is not None:
+        args.checkpoint_version = args.ckpt_step  # Megatron-LM's name for the same choice: validated as ours
     if args.checkpoint_version is not None:
         args.ckpt_step = args.checkpoint_version
     if args.async_checkpoint:
