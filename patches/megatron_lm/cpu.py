@@ -89,15 +89,26 @@ _MEMORY_REPORTS = {
 def persistent_worker_on_cpu(*args: Any, **kwargs: Any) -> Any:
     """The persistent checkpoint worker's loop, in the process Megatron spawns for it. The
     worker picks its device as ``rank % torch.cuda.device_count()``, which divides by zero
-    without CUDA, and synchronizes the device after its host copy; nothing else it does
-    touches CUDA.
+    without CUDA, and synchronizes the device after its host copy. And that host copy, the
+    snapshot the trainer waits for, is ``tensor.to("cpu")``: on CPU no copy at all, so the
+    worker would write parameters the trainer is already updating; here it clones.
     (Spawn pickles the loop by name: this module-level function is what the child imports.)"""
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = named_noop("set_device")
     torch.cuda.synchronize = named_noop("synchronize")
+    FileSystemWriterAsync.preload_tensors = staticmethod(_preload_copies(FileSystemWriterAsync.preload_tensors))
     return PersistentAsyncCaller.async_loop(*args, **kwargs)  # unpatched in this fresh process
+
+
+def _preload_copies(preload: Any) -> Any:
+    def preload_copies(write_buckets: Any, non_blocking: bool = True) -> Any:
+        return [(name, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
+                for name, key, (data, tensors) in preload(write_buckets, False)]
+
+    return preload_copies
 
 
 def _fenced_from_rng(function: Any) -> Any:
