@@ -42,7 +42,8 @@ def restore_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _torch_optimizers(optimizer):
+def torch_optimizers(optimizer):
+    """(Megatron optimizer, torch optimizer) pairs of a possibly wrapped, possibly chained optimizer."""
     inner = getattr(optimizer, "inner", optimizer)
     return [(m, m.optimizer) for m in getattr(inner, "chained_optimizers", [inner])]
 
@@ -51,7 +52,7 @@ def prepare_fresh_optimizer_for_load(optimizer) -> None:
     """A fresh optimizer has no state for a checkpoint to fill. Megatron's ``init_state_fn``
     makes the moments; the distributed optimizer's ``state_dict`` (torch Adam, no TE/Apex)
     also reads a per-param ``step``, which the load then overwrites with the saved one."""
-    for megatron_optimizer, torch_optimizer in _torch_optimizers(optimizer):
+    for megatron_optimizer, torch_optimizer in torch_optimizers(optimizer):
         params = [p for g in torch_optimizer.param_groups for p in g["params"]]
         if any(len(torch_optimizer.state[p]) == 0 for p in params):
             megatron_optimizer.init_state_fn(torch_optimizer, megatron_optimizer.config)
@@ -66,7 +67,7 @@ def untie_adam_steps(optimizer) -> None:
     gives every param state the *same* ``step`` tensor, and torch Adam increments each param's
     step in place, so one optimizer step would advance it once per parameter and skew Adam's
     bias correction. Give each state its own copy."""
-    for _, torch_optimizer in _torch_optimizers(optimizer):
+    for _, torch_optimizer in torch_optimizers(optimizer):
         for state in torch_optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..checkpoint.state import torch_optimizers
 from .policy import Decision, decide
 from .probe import MemoryProbe
 from .tiers import Away, FileTier, HostTier
@@ -89,9 +90,9 @@ class Unit:
     """Its size when resident (fixed once the state exists; away, its tensors hold nothing)."""
 
 
-def _torch_optimizers(optimizer: Any) -> list[tuple[Any, torch.optim.Optimizer]]:
-    inner = getattr(optimizer, "inner", optimizer)
-    return [(m, m.optimizer) for m in getattr(inner, "chained_optimizers", [inner])]
+def _own_main_param(param: torch.Tensor, model_params: set[int]) -> bool:
+    """The optimizer's own fp32 copy (not a model parameter, nor a view of one)."""
+    return id(param) not in model_params and param._base is None
 
 
 def optimizer_units(optimizer: Any, model_chunks: list[torch.nn.Module]) -> list[Unit]:
@@ -99,14 +100,14 @@ def optimizer_units(optimizer: Any, model_chunks: list[torch.nn.Module]) -> list
     the optimizer's own (not the model's parameters, nor views of them)."""
     model_params = {id(p) for chunk in model_chunks for p in chunk.parameters()}
     units = []
-    for index, (_, torch_optimizer) in enumerate(_torch_optimizers(optimizer)):
+    for index, (_, torch_optimizer) in enumerate(torch_optimizers(optimizer)):
         for group_index, group in enumerate(torch_optimizer.param_groups):
             unit = Unit(name=f"optimizer{index}.group{group_index}")
             for param in group["params"]:
                 for value in torch_optimizer.state.get(param, {}).values():
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         unit.tensors.append(value)
-                if id(param) not in model_params and param._base is None:
+                if _own_main_param(param, model_params):
                     unit.tensors.append(param)
             if unit.tensors:
                 unit.nbytes = sum(t.numel() * t.element_size() for t in unit.tensors)
@@ -119,11 +120,11 @@ def estimated_state_bytes(optimizer: Any, model_chunks: list[torch.nn.Module]) -
     two fp32 moments per parameter the optimizer holds, plus its own fp32 main parameters."""
     model_params = {id(p) for chunk in model_chunks for p in chunk.parameters()}
     total = 0
-    for _, torch_optimizer in _torch_optimizers(optimizer):
+    for _, torch_optimizer in torch_optimizers(optimizer):
         for group in torch_optimizer.param_groups:
             for param in group["params"]:
                 total += 2 * param.numel() * 4
-                if id(param) not in model_params and param._base is None:
+                if _own_main_param(param, model_params):
                     total += param.numel() * param.element_size()
     return total
 
