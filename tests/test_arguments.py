@@ -41,6 +41,8 @@ def test_defaults_fill_derived_fields():
      "--optimizer sgd: megatron-core's --use-distributed-optimizer supports adam only"),
     (["--checkpoint-interval", "60"], 1, "--checkpoint-interval needs --save DIR"),
     (["--save", "/tmp/x", "--checkpoint-interval", "0"], 1, "--checkpoint-interval must be positive, got 0.0"),
+    (["--higgs-length-buckets", "32,256"], 1, "--higgs-length-buckets '32,256': every length must be in [1, --seq-length 128]"),
+    (["--higgs-length-buckets", "64,32"], 1, "--higgs-length-buckets '64,32': lengths must be strictly increasing"),
 ])
 def test_bad_input_is_named(argv, world_size, message):
     with pytest.raises(UsageError) as info:

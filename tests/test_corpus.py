@@ -65,3 +65,12 @@ def test_data_path_errors_name_the_path(tmp_path):
     (empty / "zero.txt").write_text("")
     with pytest.raises(DataPathError, match="every file is empty"):
         find_text_files(str(empty))
+
+
+def test_a_cache_folder_inside_the_data_folder_is_not_corpus(tmp_path):
+    (tmp_path / "a.txt").write_text("hello\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "index.json").write_text("{}")
+    assert find_text_files(str(tmp_path), cache)[1] == [tmp_path / "a.txt"]
+    assert len(find_text_files(str(tmp_path))[1]) == 2

@@ -20,6 +20,7 @@ from ..config import add_higgs_args, higgs_config_from_args
 from ..memory import OffloadError
 from ..memory.flags import add_offload_args, offload_config_from_args
 from ..stability.faults import FaultSpecError, parse_fault
+from .length_buckets import parse_buckets
 
 EXIT_USAGE = 2
 
@@ -107,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a text file or a folder of text files; default: this Python's standard library sources")
     g.add_argument("--data-cache-path", default=None, help="where the indexed corpus is cached")
     g.add_argument("--split", default="98,2,0", help="train,validation,test weights over documents")
+    g.add_argument("--higgs-length-buckets", default=None, metavar="L1,L2,...",
+                   help="train on whole documents (not packed), each batch padded to the smallest of these "
+                        "lengths that holds it (--seq-length is always the last): few activation shapes, "
+                        "little padding, less allocator fragmentation")
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
@@ -248,6 +253,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                          f"--lr-decay-iters {args.lr_decay_iters} (which defaults to --train-iters)")
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.higgs_length_buckets is not None:
+        try:
+            args.length_buckets = parse_buckets(args.higgs_length_buckets, args.seq_length)
+        except ValueError as error:
+            raise UsageError(f"--higgs-length-buckets {error}") from None
+    else:
+        args.length_buckets = None
     if args.data_path is not None and not os.path.exists(args.data_path):
         raise UsageError(f"--data-path {args.data_path}: no such file or directory")
     cuda = torch.cuda.is_available()

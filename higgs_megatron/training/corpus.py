@@ -88,8 +88,11 @@ def default_corpus_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def find_text_files(data_path: str | None) -> tuple[str, list[Path]]:
-    """The text files a data path names, sorted; raises DataPathError with the reason."""
+def find_text_files(data_path: str | None, cache_dir: str | Path | None = None) -> tuple[str, list[Path]]:
+    """The text files a data path names, sorted; raises DataPathError with the reason.
+
+    A cache folder inside the data folder is skipped: the dataset index files Megatron
+    writes there (``.json`` among them) would otherwise become part of the next run's corpus."""
     if data_path is None:
         root = default_corpus_root()
         files = [
@@ -105,7 +108,9 @@ def find_text_files(data_path: str | None) -> tuple[str, list[Path]]:
         if root.is_file():
             files = [root]
         else:
-            files = [p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES]
+            skip = Path(cache_dir).resolve() if cache_dir is not None else None
+            files = [p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES
+                     and (skip is None or not p.resolve().is_relative_to(skip))]
             if not files:
                 raise DataPathError(
                     f"--data-path {data_path}: the folder holds no text files "
@@ -136,7 +141,7 @@ def build_corpus(
     progress: Callable[[str], None] | None = None,
 ) -> Corpus:
     """Tokenize and index the corpus once; later calls (and other ranks) reuse the cache."""
-    source, files = find_text_files(data_path)
+    source, files = find_text_files(data_path, cache_dir)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     prefix = cache / f"corpus-{_fingerprint(files)}"

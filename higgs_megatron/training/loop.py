@@ -44,6 +44,7 @@ from ..optimizer import wrap_optimizer
 from .arguments import UsageError, parse_args, report_usage_error
 from .corpus import DataPathError, build_corpus, find_text_files
 from .data import Batch, build_datasets, iteration_batches
+from .length_buckets import LengthBuckets
 from .metrics import MetricsLogger
 from .model import build_model, build_optimizer, build_scheduler, num_parameters, transformer_config
 from .parallel import destroy_parallel, init_parallel, local_world_size, set_seeds
@@ -104,11 +105,24 @@ class Trainer:
             valid_samples=max(1, args.eval_iters) * args.global_batch_size,
             cache_dir=args.data_cache_path,
         )
+        self.length_buckets = None
+        if args.length_buckets is not None:
+            try:
+                self.length_buckets = LengthBuckets(self.datasets.train, args.length_buckets, args.seq_length,
+                                                    args.global_batch_size, args.seed)
+            except ValueError as error:
+                raise UsageError(f"--higgs-length-buckets: {error}") from None
         self.log.event("corpus_ready", f"corpus: {corpus.source}: {corpus.files} files, {corpus.documents} documents, "
                        f"{corpus.tokens:,} tokens ({time.monotonic() - started:.1f}s); "
                        f"{len(self.datasets.train)} train / {len(self.datasets.valid)} validation samples",
                        documents=corpus.documents, tokens=corpus.tokens, source=corpus.source,
                        evaluations=evals)
+        if self.length_buckets is not None:
+            summary = self.length_buckets.summary(args.train_iters)
+            shares = ", ".join(f"{b}: {n}" for b, n in zip(summary["buckets"], summary["batches_per_bucket"]))
+            self.log.event("length_buckets", f"length buckets: {summary['chunks']} document chunks; batches per "
+                           f"bucket over {args.train_iters} iterations {{{shares}}}; "
+                           f"{summary['padding']:.1%} of trained positions are padding", **summary)
 
         self.config = transformer_config(args)
         set_seeds(args.seed)
@@ -238,14 +252,20 @@ class Trainer:
 
     def _forward_backward(self, consumed_samples: int, forward_only: bool, dataset, poison: bool = False) -> list[dict]:
         args = self.args
-        batches = iteration_batches(dataset, consumed_samples, args.micro_batch_size, self.dp_rank,
-                                    self.dp_size, args.num_microbatches)
+        seq_length = args.seq_length
+        if dataset is self.datasets.train and self.length_buckets is not None:
+            seq_length = self.length_buckets.seq_length(consumed_samples // args.global_batch_size)
+            batches = self.length_buckets.iteration_batches(consumed_samples, args.micro_batch_size, self.dp_rank,
+                                                            self.dp_size, args.num_microbatches)
+        else:
+            batches = iteration_batches(dataset, consumed_samples, args.micro_batch_size, self.dp_rank,
+                                        self.dp_size, args.num_microbatches)
         return get_forward_backward_func()(
             forward_step_func=partial(forward_step, poison=poison),
             data_iterator=batches,
             model=self.model,
             num_microbatches=args.num_microbatches,
-            seq_length=args.seq_length,
+            seq_length=seq_length,
             micro_batch_size=args.micro_batch_size,
             forward_only=forward_only,
         )
@@ -288,6 +308,12 @@ class Trainer:
             chunk.train()
         return self._reduce_loss(losses) if losses else None
 
+    def _tokens(self, consumed_samples: int) -> int:
+        """Tokens trained on in the global batch at ``consumed_samples`` (padding not counted)."""
+        if self.length_buckets is None:
+            return self.args.global_batch_size * self.args.seq_length
+        return self.length_buckets.tokens(consumed_samples // self.args.global_batch_size)
+
     def _traffic(self) -> tuple[int, int, float, float]:
         """This step's (bytes handed to collectives, dense-equivalent bytes, compress s, density)."""
         sent = dense = 0
@@ -313,7 +339,6 @@ class Trainer:
         args = self.args
         result = TrainResult()
         skipped = 0
-        tokens_per_step = args.global_batch_size * args.seq_length
         window = _Window()
         while self.iteration < args.train_iters:
             started = time.perf_counter()
@@ -322,12 +347,13 @@ class Trainer:
                 result.alignments += 1
                 continue
             step_time = time.perf_counter() - started
+            tokens = self._tokens(self.consumed_samples)
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
             skipped += 0 if ok else 1
-            window.add(*self._traffic())
+            window.add(*self._traffic(), tokens=tokens)
             result.step_times[self.iteration] = step_time
-            result.tokens_per_second[self.iteration] = tokens_per_step / step_time
+            result.tokens_per_second[self.iteration] = tokens / step_time
             if loss is not None:
                 result.losses[self.iteration] = loss
             if grad_norm is not None:
@@ -348,7 +374,7 @@ class Trainer:
                     fields["lm loss"] = loss
                 if grad_norm is not None:
                     fields["grad norm"] = float(grad_norm)
-                fields["tokens per second"] = tokens_per_step / elapsed
+                fields["tokens per second"] = window.tokens / max(1, window.iterations) / elapsed
                 fields["bytes sent"] = int(sent)
                 fields["dense bytes"] = int(dense)
                 if args.use_higgs:
@@ -427,9 +453,11 @@ class _Window:
         self.iterations = 0
         self.totals = torch.zeros(3, dtype=torch.float64)
         self.density = 1.0
+        self.tokens = 0
 
-    def add(self, sent: int, dense: int, compress_seconds: float, density: float) -> None:
+    def add(self, sent: int, dense: int, compress_seconds: float, density: float, tokens: int = 0) -> None:
         self.iterations += 1
+        self.tokens += tokens
         self.totals += torch.tensor([sent, dense, compress_seconds], dtype=torch.float64)
         self.density = density
 
@@ -462,7 +490,7 @@ def check_data_path(args: argparse.Namespace) -> None:
     """A user's data path must name non-empty text; checked before any process group exists."""
     if args.data_path is not None:
         try:
-            find_text_files(args.data_path)
+            find_text_files(args.data_path, args.data_cache_path)
         except DataPathError as error:
             raise UsageError(str(error)) from None
 
