@@ -164,3 +164,5 @@ def test_checkpoint_interval_saves_by_wall_clock(tmp_path):
                       "1000", "--checkpoint-interval", "0.001", iters=3).stdout
     committed = sorted(p.parent.name for p in (tmp_path / "c").glob("iter_*/rank_map.json"))
     assert committed == ["iter_0000001", "iter_0000002", "iter_0000003"], out[-2000:]
+    # Megatron-LM's final save (3 is not a multiple of --save-interval) finds iteration 3 committed
+    assert out.count("iteration 3 is already saved by this run; not saving it again") == 1, out[-2000:]

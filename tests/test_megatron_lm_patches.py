@@ -71,7 +71,10 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     for flags, named in ((["--recovery-mode", "reshard"], "--recovery-mode"),
                          (["--checkpoint-version", "3", "--load", "/x"], "--checkpoint-version"),
                          (["--async-checkpoint", "--save", "/x"], "--async-checkpoint"),
-                         (["--checkpoint-interval", "60", "--save", "/x"], "--checkpoint-interval")):
+                         (["--checkpoint-interval", "60", "--save", "/x"], "--checkpoint-interval"),
+                         (["--higgs-compression-ratio", "0.1"], "--higgs-compression-ratio"),
+                         (["--no-higgs-error-feedback"], "--no-higgs-error-feedback"),
+                         (["--higgs-sync", "sparse"], "--higgs-sync")):
         with pytest.raises(PatchUsageError, match=f"{named}.*only with --use-higgs"):
             translate_args(parse(*flags))
 

@@ -105,15 +105,86 @@ def test_pretrain_flags_of_the_memory_manager_are_checked_before_training(argv, 
 def test_not_enough_room_for_the_state_is_refused_before_training(tmp_path, monkeypatch):
     import higgs_megatron.memory.manager as manager
 
-    class Optimizer:  # the shape of a Megatron optimizer the manager reads
-        def __init__(self):
-            self.optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1000))])
-            self.chained_optimizers = [self]
-
-        def step(self):
-            return True, None, None
-
     monkeypatch.setattr(manager, "_host_available", lambda: 100)
     with pytest.raises(OffloadError, match=r"--higgs-offload-device cpu: the optimizer state of this rank is "
-                                           r"0.00 GB and the host has 0.00 GB available"):
-        manager.MemoryManager(Optimizer(), [], OffloadConfig(), ScriptedProbe([0.5])).attach()
+                                           r"0.00 GB \(0.00 GB for this host's 1 rank\(s\)\) and the host has "
+                                           r"0.00 GB available"):
+        manager.MemoryManager(_MegatronShaped(), [], OffloadConfig(), ScriptedProbe([0.5])).attach()
+    # 12 kB of state per rank (moments and, with no model given, the parameter as the
+    # optimizer's own): room for one rank is not room for this host's four
+    monkeypatch.setattr(manager, "_host_available", lambda: 20_000)
+    manager.MemoryManager(_MegatronShaped(), [], OffloadConfig(), ScriptedProbe([0.5])).attach()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(OffloadError, match=r"for this host's 4 rank"):
+        manager.MemoryManager(_MegatronShaped(), [], OffloadConfig(), ScriptedProbe([0.5])).attach()
+
+
+class _MegatronShaped:
+    """The shape of a Megatron optimizer that the manager reads: one torch Adam inside."""
+
+    def __init__(self):
+        self.param = torch.nn.Parameter(torch.zeros(1000))
+        self.optimizer = torch.optim.Adam([self.param])
+        self.chained_optimizers = [self]
+        self.model = torch.nn.ParameterList([self.param])
+
+    def step(self):
+        self.param.grad = torch.ones_like(self.param)
+        self.optimizer.step()
+        return True, None, None
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+
+def _moments(optimizer):
+    return [t for t in optimizer.optimizer.state[optimizer.param].values() if t.dim() > 0]
+
+
+def test_a_checkpoint_reads_resident_state_and_settle_sends_it_away_again():
+    from higgs_megatron.memory import MemoryManager
+
+    optimizer = _MegatronShaped()
+    manager = MemoryManager(optimizer, [optimizer.model], OffloadConfig(), ScriptedProbe([0.5, 0.95])).attach()
+    optimizer.step()
+    optimizer.step()  # 95% of memory: the state goes
+    assert manager.resident_bytes() == 0 and all(t.numel() == 0 for t in _moments(optimizer))
+    state = optimizer.state_dict()["state"][0]
+    assert state["exp_avg"].numel() == 1000, "the checkpoint sees the state"
+    assert manager.resident_bytes() == 8000
+    manager.settle()
+    assert manager.resident_bytes() == 0 and all(t.numel() == 0 for t in _moments(optimizer))
+    manager.close()
+    assert all(t.numel() == 1000 for t in _moments(optimizer))
+
+
+def test_a_tier_failing_part_way_gives_back_what_it_took(tmp_path):
+    from higgs_megatron.memory import MemoryManager
+
+    optimizer = _MegatronShaped()
+    events = []
+    manager = MemoryManager(optimizer, [optimizer.model], OffloadConfig(device="nvme", directory=str(tmp_path)),
+                            ScriptedProbe([0.5, 0.95, 0.95]),
+                            on_event=lambda name, message, **fields: events.append(name)).attach()
+    optimizer.step()
+    before = [t.clone() for t in _moments(optimizer)]
+    send = manager.tier.send
+    calls = []
+
+    def full_disk(name, tensor):
+        calls.append(name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return send(name, tensor)
+
+    manager.tier.send = full_disk
+    optimizer.step()  # the first moment went to disk, the second could not: both stay
+    assert "optimizer_state_offload_failed" in events
+    assert manager.resident_bytes() == 8000 and manager.away == frozenset()
+    after_step = [t.clone() for t in _moments(optimizer)]
+    assert not torch.equal(after_step[0], before[0])  # the step ran, and its state is intact
+    assert list((tmp_path / "rank0").glob("*.bin")) == []
+    manager.tier.send = send
+    optimizer.step()  # still 95%: now it goes
+    assert manager.resident_bytes() == 0
+    manager.close()

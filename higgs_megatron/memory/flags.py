@@ -26,7 +26,8 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--no-higgs-pin-memory", dest="higgs_pin_memory", action="store_false",
                    help="pageable host copies (pinned memory is faster to a GPU but never reclaimable)")
     g.add_argument("--higgs-pin-memory-limit-gb", type=float, default=None,
-                   help="cap on pinned host copies (default: a quarter of host memory); beyond it, pageable")
+                   help="cap on this rank's pinned host copies (default: a quarter of host memory, shared by this "
+                        "host's ranks); beyond it, pageable")
     g.add_argument("--higgs-offload-schedule", default=None, metavar="F[xN],...",
                    help="replay this device-memory schedule (one fraction per step, e.g. 0.5x3,0.95x2,0.6) "
                         "instead of measuring: for tests and what-ifs")

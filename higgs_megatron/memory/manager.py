@@ -18,8 +18,9 @@ both are the same host memory, so the choice is made for generality and exactnes
 step is the optimizer's own, bitwise; see the README for what is and is not measured).
 
 Checkpoints read the state: ``sharded_state_dict`` and ``state_dict`` bring everything back
-first (and the next step sends it away again), ``load_state_dict`` loads into resident
-tensors. ``close`` brings everything back and removes the tier's files.
+first, and the trainer calls ``settle`` once the save has its copy, which sends it away
+again; ``load_state_dict`` loads into resident tensors. A tier that fails part-way through
+sending a unit (a full disk) gets back what it took; the unit stays, and an event says so. ``close`` brings everything back and removes the tier's files.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class MemoryManager:
         if config.device == "nvme":
             self.tier: HostTier | FileTier = FileTier(Path(config.directory) / f"rank{_rank()}")
         else:
-            limit = config.pin_limit_bytes if config.pin_limit_bytes is not None else _host_total() // 4
+            limit = (config.pin_limit_bytes if config.pin_limit_bytes is not None
+                     else _host_total() // 4 // _local_ranks())
             self.tier = HostTier(pin_memory=config.pin_memory, pin_limit_bytes=limit)
         self._attached = False
 
@@ -230,10 +232,31 @@ class MemoryManager:
     # --- moving -----------------------------------------------------------------------
 
     def _send(self, index: int) -> None:
+        """All of a unit's tensors go, or none: a tier that fails part-way (a full disk) gets
+        back what it took, the unit stays resident, and the error is an event, not a crash."""
         if index in self.parked:
             return
         unit = self.units[index]
-        self.parked[index] = [self.tier.send(f"{unit.name}.t{k}", t) for k, t in enumerate(unit.tensors)]
+        sent: list[Away] = []
+        try:
+            for k, tensor in enumerate(unit.tensors):
+                sent.append(self.tier.send(f"{unit.name}.t{k}", tensor))
+        except (OSError, RuntimeError) as error:
+            for away, tensor in zip(sent, unit.tensors):
+                self.tier.bring(away, tensor)
+            self.away = self.away - {index}
+            self.on_event("optimizer_state_offload_failed",
+                          f" could not send {unit.name} to {self.tier.name} ({error}); it stays on the device",
+                          units=[unit.name], tier=self.tier.name, error=str(error))
+            return
+        self.parked[index] = sent
+
+    def settle(self) -> None:
+        """After a checkpoint has read (or copied) the state: what should be away goes away
+        again now, rather than at the end of the next step, through whose forward and backward
+        it would otherwise stay on the device."""
+        for index in sorted(self.away):
+            self._send(index)
 
     def _bring_all(self) -> None:
         for index in sorted(self.parked):
@@ -249,15 +272,22 @@ class MemoryManager:
         else:
             free = _host_available()
             where = f"the host has {free / 1e9:.2f} GB available"
-        if needed > free:
+        ranks = _local_ranks()  # the ranks of this host share its memory and its disk
+        if needed * ranks > free:
             raise OffloadError(f"--higgs-offload-device {self.config.device}: the optimizer state of this rank is "
-                               f"{needed / 1e9:.2f} GB and {where}")
+                               f"{needed / 1e9:.2f} GB ({needed * ranks / 1e9:.2f} GB for this host's {ranks} "
+                               f"rank(s)) and {where}")
 
 
 def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _local_ranks() -> int:
+    """Ranks on this host (torchrun's LOCAL_WORLD_SIZE; 1 outside a launcher)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _host_total() -> int:

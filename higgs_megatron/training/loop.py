@@ -163,6 +163,8 @@ class Trainer:
         if args.load:
             self._load()
         self._saved_at = (self.iteration, time.monotonic())
+        if self.memory is not None:
+            self.memory.settle()  # the save has its copy: offloaded state leaves again now
 
     def _log_sync_plan(self) -> None:
         """What --higgs-sync auto measured and chose, per bucket (the logging rank's stage)."""
@@ -215,6 +217,8 @@ class Trainer:
                            f"background writer; the loop paid {stall * 1000:.0f} ms", iteration=self.iteration,
                            stall_seconds=stall)
         self._saved_at = (self.iteration, time.monotonic())
+        if self.memory is not None:
+            self.memory.settle()  # the save has its copy: offloaded state leaves again now
 
     def _committed(self, results: list[SaveResult]) -> None:
         for result in results:
@@ -428,6 +432,10 @@ class Trainer:
             probe: MemoryProbe = ScriptedProbe.parse(args.higgs_offload_schedule)
         else:
             probe = CudaProbe() if torch.cuda.is_available() else HostProbe()
+        if not torch.cuda.is_available() and config.device == "cpu":
+            self.log.event("offload_frees_nothing", " --higgs-offload-device cpu on a CPU run: the device is host "
+                           "memory, so offloaded state moves without freeing anything (and the host probe reads "
+                           "the whole machine's use); useful to test the policy, not to save memory")
         manager = MemoryManager(self.optimizer, self.model, config, probe, on_event=lambda name, message, **fields:
                                 self.log.event(name, message, iteration=self.iteration + 1, **fields)).attach()
         self.log.event("offload_ready", f" optimizer state leaves the device above {config.threshold:.0%} of its "

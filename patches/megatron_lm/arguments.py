@@ -69,12 +69,16 @@ def chain_args_providers(existing: ArgsProvider | None) -> ArgsProvider:
 
 
 # Our flags that mean something only with --use-higgs: (flag, attribute, value when not given).
-_HIGGS_ONLY = (
-    ("--recovery-mode", "recovery_mode", None),
-    ("--checkpoint-version", "checkpoint_version", None),
-    ("--async-checkpoint", "async_checkpoint", False),
-    ("--checkpoint-interval", "checkpoint_interval", None),
-)
+def _higgs_only_flags_given(args: argparse.Namespace) -> list[str]:
+    """Our flags that differ from their defaults (``--use-higgs`` itself and the flag that
+    Megatron-LM has of its own aside), named as the user wrote them."""
+    ours = add_patch_args(argparse.ArgumentParser())
+    return [action.option_strings[0] for action in ours._actions
+            if action.option_strings and action.dest not in ("help", "use_higgs", _WEIGHT_HASH_DEST)
+            and getattr(args, action.dest, action.default) != action.default]
+
+
+_WEIGHT_HASH_DEST = "check_weight_hash_across_dp_replicas_interval"
 
 
 def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
@@ -82,7 +86,7 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
     without --use-higgs. Raises ``PatchUsageError`` naming the flag; changes ``args`` only
     when every check has passed."""
     if not args.use_higgs:
-        given = [flag for flag, name, unset in _HIGGS_ONLY if getattr(args, name) != unset]
+        given = _higgs_only_flags_given(args)
         if given:
             raise PatchUsageError(f"{', '.join(given)}: only with --use-higgs (without it, Megatron-LM "
                                   "runs exactly as unpatched)")

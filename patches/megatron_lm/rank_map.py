@@ -104,12 +104,20 @@ class RankMapHooks:
         self.pending: PendingRankMap | None = None
         self.loading: Manifest | None = None   # set while Megatron-LM loads a resharded checkpoint
         self.loaded: Manifest | None = None
+        self.saved_iterations: set[int] = set()
 
     # --- save -----------------------------------------------------------------------
 
     def save_checkpoint(self, original: Callable, iteration: int, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("non_persistent_ckpt") or kwargs.get("release"):
             return original(iteration, *args, **kwargs)   # Megatron-LM's own kinds, left as they are
+        if int(iteration) in self.saved_iterations:
+            # A wall-clock save at the last iteration, then Megatron-LM's final save of the same
+            # state: rewriting a committed checkpoint in place would put it at risk for nothing.
+            if dist.get_rank() == 0:
+                print(f" iteration {iteration} is already saved by this run; not saving it again", flush=True)
+            return None
+        self.saved_iterations.add(int(iteration))
         a = self.args
         self.pending = PendingRankMap(
             directory=Path(a.save) / checkpoint_name(iteration), iteration=int(iteration),
@@ -175,6 +183,8 @@ class RankMapHooks:
         if optimizer is not None:
             untie_adam_steps(optimizer)
         self.loaded = manifest
+        if a.save and Path(a.save).resolve() == Path(load_dir).resolve():
+            self.saved_iterations.add(manifest.iteration)  # committed already: a save of it again is skipped
         if dist.get_rank() == 0:
             how = "resharded: " + "; ".join(differences) if resharded else "same sharding"
             print(f" [higgs] loaded {path}: rank map and {sum(len(r.files) for r in manifest.ranks)} file hashes "
