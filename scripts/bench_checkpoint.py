@@ -61,6 +61,7 @@ class HiggsAsync(HiggsSync):
 
         super().__init__(trainer)
         self.checkpointer = AsyncCheckpointer()
+        trainer.checkpointer = self.checkpointer  # so that train_step waits for its host copy, as in training
 
     def start(self, directory: Path) -> None:
         self.checkpointer.start(self.trainer, directory)

@@ -77,6 +77,19 @@ def test_async_save_is_a_snapshot_while_training_goes_on(tmp_path, world_size, l
         assert torch.equal(final_a[key], final_b[key]), key
 
 
+def test_async_host_copy_in_the_background_is_done_before_the_next_update(tmp_path, tiny_gpt_args):
+    """The host copy runs while the next forward and backward do; made slower than a whole
+    step, the optimizer step waits for it, and the checkpoint is still iteration 3's state."""
+    base = tiny_gpt_args + COMMON + ["--use-distributed-optimizer", "--train-iters", "5"] + HIGGS
+    straight = run_ranks(run_trainer, 2, args=(base + ["--save", str(tmp_path), "--save-interval", "3",
+                                                       "--async-checkpoint"], None, None, 1.5))
+    resumed = run_ranks(run_trainer, 2, args=(base + ["--load", str(tmp_path), "--checkpoint-version", "3"],))
+    assert resumed[0]["start"] == 3 and resumed[0]["losses"] == {i: straight[0]["losses"][i] for i in (4, 5)}
+    final_a, final_b = _global(straight, "final"), _global(resumed, "final")
+    for key in final_a:
+        assert torch.equal(final_a[key], final_b[key]), key
+
+
 @pytest.mark.parametrize("save_layout,load_layout,load_world", [
     pytest.param(["--tensor-model-parallel-size", "2"], [], 2, id="tp2-to-dp2"),
     pytest.param(["--pipeline-model-parallel-size", "2"], [], 2, id="pp2-to-dp2"),

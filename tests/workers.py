@@ -189,11 +189,24 @@ def resume_continuity(argv: list[str], split_at: int) -> dict:
 
 
 def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
-                unwritable_rank_from: int | None = None) -> dict:
+                unwritable_rank_from: int | None = None, slow_host_copy: float | None = None) -> dict:
     """Train (with whatever --save/--load flags) and report losses, the loaded iteration and the
-    global tensors this rank holds (model and optimizer state, by key and offset)."""
+    global tensors this rank holds (model and optimizer state, by key and offset).
+    ``slow_host_copy``: an async save's host copy starts only after this many seconds."""
     import os
     import signal
+    import time
+
+    from higgs_megatron.checkpoint import async_save
+
+    if slow_host_copy is not None:
+        copy = async_save._host_copies
+
+        def slow(*a, **k):
+            time.sleep(slow_host_copy)
+            return copy(*a, **k)
+
+        async_save._host_copies = slow
 
     import torch.distributed as dist
     from megatron.core import dist_checkpointing

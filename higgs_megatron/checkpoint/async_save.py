@@ -1,16 +1,23 @@
-"""Asynchronous saves: the loop pays for the host copy; writing, hashing and commit happen later.
+"""Asynchronous saves: the loop pays for the planning; the host copy, writing, hashing and commit happen later.
 
 Protocol (every rank, the same calls at the same iterations):
 
 1. ``start`` (after ``wait`` for the previous save: one in flight at most), in the loop's time:
-   save.py's step 1 (the ``.tmp`` directory), the sharded state dict, megatron-core's save
+   save.py's step 1 (the ``.tmp`` directory), the sharded state dict, and megatron-core's save
    planning (in full for a run's first save; later saves reuse its validated plan, as
-   Megatron-LM's ``--ckpt-assume-constant-structure``), and the **host copy**: every tensor to
-   be written is copied to private host memory (a device-to-host copy on GPUs, a clone on CPU).
-2. A writer **thread** writes this rank's files from those copies and hashes them. A thread,
-   not megatron-core's forked process: a fork shares the training state copy-on-write, and
-   every page the next steps update is then copied by a page fault, which on CPU cost the
-   overlapped steps more than the whole synchronous save. The writer does no collective.
+   Megatron-LM's ``--ckpt-assume-constant-structure``).
+2. A writer **thread** makes the **host copy** (every tensor to be written copied to private
+   host memory: a device-to-host copy on GPUs, a clone on CPU), then writes this rank's files
+   from those copies and hashes them. The copy runs while the next forward and backward do,
+   since they change no saved tensor in place: parameters and optimizer state change only
+   in the optimizer step, and HiggsDDP's error-feedback residual of this step is read, not
+   written, by the next one (the step after writes the other buffer). So the loop calls
+   ``before_update`` before its next optimizer step (or before the memory manager moves
+   state), which returns at once when the copy is done and otherwise waits for it. A
+   thread, not megatron-core's forked process: a fork shares the training state
+   copy-on-write, and every page the next steps update is then copied by a page fault, which
+   on CPU cost the overlapped steps more than the whole synchronous save. The writer does no
+   collective.
 3. ``poll`` (after every step): one all-reduce says whether every rank's writer is done. When
    it is: megatron-core's finalization (``.metadata``; a write error on any rank is raised on
    every rank as ``CheckpointError``), then save.py's commit (rank map, rename, ``latest``).
@@ -54,12 +61,20 @@ class _ThreadCaller(AsyncCaller):
     def schedule_async_call(self, async_req) -> None:
         if async_req.async_fn is None:
             return
-        args = list(async_req.async_fn_args)
-        if async_req.preload_fn:
-            args[1] = async_req.preload_fn()  # the host copy, in the loop's time
-        self.thread = threading.Thread(target=async_req.async_fn, args=args, kwargs=async_req.async_fn_kwargs,
+        self.thread = threading.Thread(target=self._copy_then_write, args=(async_req,),
                                        name="higgs-checkpoint-writer", daemon=True)
         self.thread.start()
+
+    @staticmethod
+    def _copy_then_write(async_req) -> None:
+        args = list(async_req.async_fn_args)  # (rank, write buckets, results queue)
+        if async_req.preload_fn:
+            try:
+                args[1] = async_req.preload_fn()  # the host copy
+            except Exception as error:  # noqa: BLE001 - reported by megatron-core's finalization, on every rank
+                args[-1].put(error)
+                return
+        async_req.async_fn(*args, **async_req.async_fn_kwargs)
 
     def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
         if blocking:
@@ -105,6 +120,8 @@ class AsyncCheckpointer:
         self.pending: _Snapshot | None = None
         self._hashes: list | None = None
         self._committed: list[SaveResult] = []
+        self._copied = threading.Event()
+        self._copied.set()
 
     def start(self, trainer, save_dir: str | Path, keep_last: int | None = None) -> None:
         """Begin a save. The previous one must be finished first (``wait``): its commit is
@@ -124,12 +141,24 @@ class AsyncCheckpointer:
             write = request.async_fn  # partial(write_preloaded_data_multiproc, transform_list, use_msc)
             if getattr(write, "func", None) != FileSystemWriterAsync.write_preloaded_data_multiproc:
                 raise RuntimeError(f"unexpected megatron-core async writer {write!r} (megatron-core is pinned)")
+            self._copied.clear()
             request = request._replace(
                 async_fn=partial(self._write_and_hash, write.args[0], snapshot.tmp),
-                preload_fn=partial(_host_copies, request.async_fn_args[1], live))
+                preload_fn=partial(self._host_copies, request.async_fn_args[1], live))
         request.add_finalize_fn(partial(self._finalize, snapshot, shards))
         self.queue.schedule_async_request(request)
         self.pending = snapshot
+
+    def _host_copies(self, write_buckets: list, live: set[int]) -> list:
+        try:
+            return _host_copies(write_buckets, live)
+        finally:
+            self._copied.set()
+
+    def before_update(self) -> None:
+        """Return once the save in flight has its host copy (at once when there is none):
+        call before the optimizer step, or anything else that changes saved tensors in place."""
+        self._copied.wait()
 
     def _write_and_hash(self, transform_list, directory: Path, rank: int, write_buckets: list,
                         results_queue) -> None:

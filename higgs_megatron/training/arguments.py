@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also save when this much wall-clock time has passed since the last save "
                         "(decided together by all ranks)")
     g.add_argument("--async-checkpoint", action="store_true",
-                   help="the loop pays only for the host copy; writing, hashing and commit run in the background")
+                   help="the loop pays only for planning the save; the host copy (done before the next optimizer "
+                        "step), writing, hashing and commit run in the background")
     g.add_argument("--load", default=None, metavar="DIR", help="resume from the latest committed checkpoint here")
     g.add_argument("--recovery-mode", choices=("same-sharding", "reshard"), default="same-sharding",
                    help="same-sharding: refuse a checkpoint saved with another layout; reshard: move to this one")

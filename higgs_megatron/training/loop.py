@@ -163,8 +163,6 @@ class Trainer:
         if args.load:
             self._load()
         self._saved_at = (self.iteration, time.monotonic())
-        if self.memory is not None:
-            self.memory.settle()  # the save has its copy: offloaded state leaves again now
 
     def _log_sync_plan(self) -> None:
         """What --higgs-sync auto measured and chose, per bucket (the logging rank's stage)."""
@@ -213,11 +211,13 @@ class Trainer:
             started = time.perf_counter()
             self.checkpointer.start(self, self.args.save, self.args.keep_last)
             stall = time.perf_counter() - started
-            self.log.event("checkpoint_host_copy_done", f" iteration {self.iteration}: state copied for the "
-                           f"background writer; the loop paid {stall * 1000:.0f} ms", iteration=self.iteration,
-                           stall_seconds=stall)
+            self.log.event("checkpoint_started_in_background", f" iteration {self.iteration}: save planned; the host "
+                           f"copy, writing and hashing run in the background; the loop paid {stall * 1000:.0f} ms",
+                           iteration=self.iteration, stall_seconds=stall)
         self._saved_at = (self.iteration, time.monotonic())
         if self.memory is not None:
+            if self.checkpointer is not None:
+                self.checkpointer.before_update()
             self.memory.settle()  # the save has its copy: offloaded state leaves again now
 
     def _committed(self, results: list[SaveResult]) -> None:
@@ -295,6 +295,8 @@ class Trainer:
         if not self.resilience.vote(iteration):
             return None, None, None
         self.resilience.phase(iteration, "optimizer")
+        if self.checkpointer is not None:
+            self.checkpointer.before_update()  # an async save's host copy must be done first
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
