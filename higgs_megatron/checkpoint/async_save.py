@@ -90,6 +90,9 @@ class _ThreadCaller(AsyncCaller):
             self.thread.join()
             self.thread = None
 
+    def __del__(self) -> None:  # megatron-core's base raises here; the writer thread is a daemon
+        pass
+
 
 class _ThreadCallsQueue(AsyncCallsQueue):
     def _get_async_caller(self) -> AsyncCaller:
