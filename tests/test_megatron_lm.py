@@ -166,3 +166,23 @@ def test_checkpoint_interval_saves_by_wall_clock(tmp_path):
     assert committed == ["iter_0000001", "iter_0000002", "iter_0000003"], out[-2000:]
     # Megatron-LM's final save (3 is not a multiple of --save-interval) finds iteration 3 committed
     assert out.count("iteration 3 is already saved by this run; not saving it again") == 1, out[-2000:]
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_offload_under_pressure_moves_state_and_changes_nothing(tmp_path, tier):
+    """The memory manager on Megatron-LM's optimizer (DP=2, distributed optimizer): with a
+    scripted pressure schedule the state leaves at iteration 3 and returns at 8, and the run
+    is bitwise the run without it; the nvme tier's files are gone at the end."""
+    flags = ["--use-higgs", "--higgs-compressor", "none", "--use-distributed-optimizer"]
+    plain = megatron_lm(2, *flags, iters=10).stdout
+    tier_flags = ["--higgs-offload-device", "nvme", "--higgs-offload-dir", str(tmp_path / "off")] if tier == "nvme" else []
+    offloaded = megatron_lm(2, *flags, "--higgs-offload", "--higgs-offload-schedule", "0.5x2,0.95x3,0.82x2,0.5",
+                            *tier_flags, iters=10).stdout
+    assert column(offloaded, "lm loss") == column(plain, "lm loss") and len(column(plain, "lm loss")) == 10
+    assert column(offloaded, "grad norm") == column(plain, "grad norm")
+    for rank in (0, 1):
+        assert f"[rank {rank}] iteration 3: optimizer_state_offloaded:" in offloaded, offloaded[-3000:]
+        assert f"[rank {rank}] iteration 8: optimizer_state_reloaded:" in offloaded, offloaded[-3000:]
+    assert offloaded.count("optimizer_state_offloaded") == offloaded.count("optimizer_state_reloaded") == 2
+    if tier == "nvme":
+        assert not list((tmp_path / "off").rglob("*.bin"))

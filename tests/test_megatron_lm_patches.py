@@ -34,6 +34,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None)
     parser.add_argument("--non-persistent-save-interval", type=int, default=None)
     parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--optimizer-cpu-offload", action="store_true")
     return parser
 
 
@@ -74,7 +75,8 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
                          (["--checkpoint-interval", "60", "--save", "/x"], "--checkpoint-interval"),
                          (["--higgs-compression-ratio", "0.1"], "--higgs-compression-ratio"),
                          (["--no-higgs-error-feedback"], "--no-higgs-error-feedback"),
-                         (["--higgs-sync", "sparse"], "--higgs-sync")):
+                         (["--higgs-sync", "sparse"], "--higgs-sync"),
+                         (["--higgs-offload"], "--higgs-offload")):
         with pytest.raises(PatchUsageError, match=f"{named}.*only with --use-higgs"):
             translate_args(parse(*flags))
 
@@ -95,6 +97,10 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--checkpoint-interval", "nan", "--save", "/x"], r"--checkpoint-interval nan"),
     (["--checkpoint-interval", "30"], r"--checkpoint-interval: needs --save"),
     (["--async-checkpoint"], r"--async-checkpoint: needs --save"),
+    (["--higgs-offload-threshold", "0.7"], r"--higgs-offload-threshold: only with --higgs-offload"),
+    (["--higgs-offload", "--higgs-offload-threshold", "1.5"], r"--higgs-offload-threshold 1.5: expected a fraction"),
+    (["--higgs-offload", "--higgs-offload-device", "nvme"], r"needs --higgs-offload-dir"),
+    (["--higgs-offload", "--optimizer-cpu-offload"], r"--higgs-offload and --optimizer-cpu-offload"),
 ])
 def test_bad_flags_are_named_and_args_are_left_untouched(flags, message):
     args = parse("--use-higgs", *flags)

@@ -8,7 +8,7 @@ optimizer's ``step``.
 """
 
 from .manager import MemoryManager, OffloadConfig, OffloadError
-from .probe import CudaProbe, HostProbe, MemoryReading, ScriptedProbe
+from .probe import CudaProbe, HostProbe, MemoryReading, ScriptedProbe, make_probe
 
 __all__ = ["MemoryManager", "OffloadConfig", "OffloadError", "CudaProbe", "HostProbe", "MemoryReading",
-           "ScriptedProbe"]
+           "ScriptedProbe", "make_probe"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from .manager import OFFLOAD_DEVICES, OffloadConfig, OffloadError
 from .probe import ScriptedProbe
 
@@ -63,3 +65,13 @@ def offload_config_from_args(args: argparse.Namespace) -> OffloadConfig | None:
                          device=args.higgs_offload_device, directory=args.higgs_offload_dir,
                          pin_memory=args.higgs_pin_memory,
                          pin_limit_bytes=None if limit is None else int(limit * (1 << 30)))
+
+
+def apply_block_allocator(choice: str) -> bool:
+    """``--higgs-block-allocator``: configure CUDA's caching allocator; call before the first
+    CUDA allocation. False when there is nothing to configure (``off``, or no CUDA)."""
+    if choice == "expandable" and torch.cuda.is_available():
+        # One growing segment per stream instead of fixed blocks.
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        return True
+    return False

@@ -95,3 +95,10 @@ class ScriptedProbe:
                 raise ValueError(f"{part!r}: a memory fraction must be in [0, 1]")
             fractions += [fraction] * (int(count) if count else 1)
         return cls(fractions, total_bytes)
+
+
+def make_probe(schedule: str | None = None) -> MemoryProbe:
+    """``--higgs-offload-schedule`` when given; else the CUDA allocator, or host RAM on a CPU run."""
+    if schedule:
+        return ScriptedProbe.parse(schedule)
+    return CudaProbe() if torch.cuda.is_available() else HostProbe()

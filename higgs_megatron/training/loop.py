@@ -38,8 +38,8 @@ from ..checkpoint.async_save import AsyncCheckpointer
 from ..checkpoint.save import SaveResult, save_checkpoint
 from ..cpu import cpu_megatron
 from ..ddp import HiggsDDP, dense_bytes_per_step
-from ..memory import CudaProbe, HostProbe, MemoryManager, ScriptedProbe
-from ..memory.probe import MemoryProbe
+from ..memory import MemoryManager, make_probe
+from ..memory.flags import apply_block_allocator
 from ..optimizer import wrap_optimizer
 from .arguments import UsageError, parse_args, report_usage_error
 from .corpus import DataPathError, build_corpus, find_text_files
@@ -430,10 +430,7 @@ class Trainer:
         if args.offload_config is None:
             return None
         config = args.offload_config
-        if args.higgs_offload_schedule:
-            probe: MemoryProbe = ScriptedProbe.parse(args.higgs_offload_schedule)
-        else:
-            probe = CudaProbe() if torch.cuda.is_available() else HostProbe()
+        probe = make_probe(args.higgs_offload_schedule)
         if not torch.cuda.is_available() and config.device == "cpu":
             self.log.event("offload_frees_nothing", " --higgs-offload-device cpu on a CPU run: the device is host "
                            "memory, so offloaded state moves without freeing anything (and the host probe reads "
@@ -512,9 +509,7 @@ def training_environment(args: argparse.Namespace) -> Iterator[None]:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if not torch.cuda.is_available():
         torch.set_num_threads(args.num_threads or _default_threads())
-    if getattr(args, "higgs_block_allocator", "off") == "expandable" and torch.cuda.is_available():
-        # Before the first allocation: one growing segment per stream instead of fixed blocks.
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    apply_block_allocator(getattr(args, "higgs_block_allocator", "off"))  # before the first allocation
     scope = cpu_megatron() if not torch.cuda.is_available() else contextlib.nullcontext()
     with scope:
         init_parallel(args.distributed_backend, args.tensor_model_parallel_size,

@@ -4,7 +4,8 @@
 when it is installed): ``chain_args_providers`` runs it first and adds ours after it, never
 replacing it. Our flags are those of this project's own pretrain script (``--use-higgs``,
 ``--higgs-*``, ``--recovery-mode``, ``--checkpoint-version``, ``--async-checkpoint``,
-``--checkpoint-interval``); a flag Megatron-LM already defines with the same meaning
+``--checkpoint-interval``, and the memory manager's ``--higgs-offload*``,
+``--higgs-block-allocator``); a flag Megatron-LM already defines with the same meaning
 (``--check-weight-hash-across-dp-replicas-interval``) is left to Megatron-LM.
 
 ``translate_args`` runs right after Megatron-LM parses, before its own validation and
@@ -25,6 +26,8 @@ import math
 from typing import Callable
 
 from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from_args
+from higgs_megatron.memory import OffloadError
+from higgs_megatron.memory.flags import add_offload_args, offload_config_from_args
 
 RECOVERY_MODES = ("same-sharding", "reshard")
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -53,6 +56,7 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write checkpoints in the background (Megatron-LM's --async-save)")
     g.add_argument("--checkpoint-interval", type=float, default=None,
                    help="also save every SECONDS of wall-clock time, decided by all ranks together")
+    add_offload_args(parser)
     return parser
 
 
@@ -129,6 +133,14 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
             raise PatchUsageError("--checkpoint-interval: needs --save DIR")
     if args.async_checkpoint and not args.save:
         raise PatchUsageError("--async-checkpoint: needs --save DIR")
+    try:
+        offload = offload_config_from_args(args)
+    except OffloadError as error:
+        raise PatchUsageError(str(error)) from None
+    if offload is not None and getattr(args, "optimizer_cpu_offload", False):
+        raise PatchUsageError("--higgs-offload and --optimizer-cpu-offload both move the optimizer's state off the "
+                              "device; give one (--higgs-offload decides from measured memory, "
+                              "--optimizer-offload-fraction by hand)")
 
     if args.checkpoint_version is None and getattr(args, "ckpt_step", None) is not None:
         args.checkpoint_version = args.ckpt_step  # Megatron-LM's name for the same choice: validated as ours

@@ -24,11 +24,14 @@ Two stages:
    * ``save_checkpoint`` / ``load_checkpoint`` / ``checkpointing.generate_state_dict`` /
      ``checkpointing.schedule_async_save`` go through ``rank_map.RankMapHooks``;
    * with ``--checkpoint-interval``, ``checkpoint_and_decide_exit`` also saves when that much
-     wall-clock time has passed since the last save, as agreed by a MAX all-reduce.
+     wall-clock time has passed since the last save, as agreed by a MAX all-reduce;
+   * with ``--higgs-offload``, the memory manager is attached to the optimizer
+     ``get_megatron_optimizer`` returns, and each rank prints its own moves.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import os
@@ -45,6 +48,8 @@ import megatron.training.initialize as initialize
 import megatron.training.training as training
 
 from higgs_megatron import HiggsConfig, HiggsDDP, wrap_optimizer
+from higgs_megatron.memory import MemoryManager, make_probe
+from higgs_megatron.memory.flags import apply_block_allocator, offload_config_from_args
 
 from .cpu import cpu_flag_problems
 from .arguments import PatchUsageError, chain_args_providers, translate_args
@@ -117,10 +122,12 @@ def higgs_ddp_class(config: HiggsConfig) -> type:
 def activate(args: Any, config: HiggsConfig) -> None:
     """Stage 2 (see the module docstring)."""
     hooks = RankMapHooks(args, config)
+    apply_block_allocator(args.higgs_block_allocator)  # before process groups: no CUDA allocation yet
     _rebind(training, "DDP", higgs_ddp_class(config))
     _rebind(training, "get_megatron_optimizer", _get_megatron_optimizer)
     _rebind(training, "train_step", _train_step)
-    _rebind(training, "save_checkpoint", functools.partial(hooks.save_checkpoint, original(training, "save_checkpoint")))
+    _rebind(training, "save_checkpoint", functools.partial(
+        _save_then_settle, functools.partial(hooks.save_checkpoint, original(training, "save_checkpoint"))))
     _rebind(training, "load_checkpoint", functools.partial(hooks.load_checkpoint, original(training, "load_checkpoint")))
     _rebind(checkpointing, "generate_state_dict",
             functools.partial(hooks.generate_state_dict, original(checkpointing, "generate_state_dict")))
@@ -133,9 +140,40 @@ def activate(args: Any, config: HiggsConfig) -> None:
               f"sync {config.sync}); checkpoints carry a rank map (--recovery-mode {args.recovery_mode})", flush=True)
 
 
+_memory: MemoryManager | None = None
+
+
 def _get_megatron_optimizer(config: Any, model_chunks: list, *args: Any, **kwargs: Any) -> Any:
-    optimizer = original(training, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
-    return wrap_optimizer(optimizer, model_chunks)
+    """The wrapped optimizer; with ``--higgs-offload``, the memory manager attached to it."""
+    global _memory
+    optimizer = wrap_optimizer(original(training, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs),
+                               model_chunks)
+    margs = megatron_training.get_args()
+    offload = offload_config_from_args(margs)  # validated in translate_args
+    if offload is not None:
+        _memory = MemoryManager(optimizer, model_chunks, offload, make_probe(margs.higgs_offload_schedule),
+                                on_event=_offload_event).attach()
+        atexit.register(_memory.close)  # state back, the nvme tier's files removed
+        if dist.get_rank() == 0:
+            print(f" [higgs] optimizer state leaves the device above {offload.threshold:.0%} of its memory, returns "
+                  f"below {offload.threshold - offload.hysteresis:.0%} (tier {offload.device})", flush=True)
+    return optimizer
+
+
+def _offload_event(name: str, message: str, **fields: Any) -> None:
+    """Moves differ per rank (each reads its own device): every rank prints its own."""
+    iteration = getattr(megatron_training.get_args(), "curr_iteration", 0) + 1
+    print(f" [higgs] [rank {dist.get_rank()}] iteration {iteration}: {name}:{message}", flush=True)
+
+
+def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
+    """A synchronous save has written the state it brought back: offloaded state leaves again
+    now, not at the end of the next step (an async save's copy may still be pending: then it
+    waits for that step)."""
+    result = save(*args, **kwargs)
+    if _memory is not None and not megatron_training.get_args().async_save:
+        _memory.settle()
+    return result
 
 
 def _stat_device() -> torch.device:
