@@ -35,6 +35,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--non-persistent-save-interval", type=int, default=None)
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--optimizer-cpu-offload", action="store_true")
+    parser.add_argument("--log-params-norm", action="store_true")
     return parser
 
 
@@ -101,6 +102,7 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--higgs-offload", "--higgs-offload-threshold", "1.5"], r"--higgs-offload-threshold 1.5: expected a fraction"),
     (["--higgs-offload", "--higgs-offload-device", "nvme"], r"needs --higgs-offload-dir"),
     (["--higgs-offload", "--optimizer-cpu-offload"], r"--higgs-offload and --optimizer-cpu-offload"),
+    (["--higgs-offload", "--log-params-norm"], r"--log-params-norm with --higgs-offload"),
 ])
 def test_bad_flags_are_named_and_args_are_left_untouched(flags, message):
     args = parse("--use-higgs", *flags)

@@ -47,6 +47,19 @@ def test_tiers_bring_back_the_same_bytes_into_the_same_object(tmp_path, dtype, t
     assert list(tmp_path.glob("*.bin")) == []
 
 
+def test_file_tier_removes_a_part_written_file(tmp_path, monkeypatch):
+    import higgs_megatron.memory.tiers as tiers
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tiers.os, "fsync", full)
+    tensor = torch.ones(100)
+    with pytest.raises(OSError, match="No space left"):
+        FileTier(tmp_path).send("a", tensor)
+    assert list(tmp_path.glob("*.bin")) == [] and tensor.numel() == 100
+
+
 def test_file_tier_close_removes_leftovers(tmp_path):
     tier = FileTier(tmp_path / "rank0")
     tier.send("a", torch.ones(10))
@@ -179,7 +192,7 @@ def test_a_tier_failing_part_way_gives_back_what_it_took(tmp_path):
 
     manager.tier.send = full_disk
     optimizer.step()  # the first moment went to disk, the second could not: both stay
-    assert "optimizer_state_offload_failed" in events
+    assert "optimizer_state_offload_failed" in events and "optimizer_state_offloaded" not in events
     assert manager.resident_bytes() == 8000 and manager.away == frozenset()
     after_step = [t.clone() for t in _moments(optimizer)]
     assert not torch.equal(after_step[0], before[0])  # the step ran, and its state is intact

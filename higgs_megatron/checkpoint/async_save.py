@@ -144,16 +144,23 @@ class AsyncCheckpointer:
             write = request.async_fn  # partial(write_preloaded_data_multiproc, transform_list, use_msc)
             if getattr(write, "func", None) != FileSystemWriterAsync.write_preloaded_data_multiproc:
                 raise RuntimeError(f"unexpected megatron-core async writer {write!r} (megatron-core is pinned)")
-            self._copied.clear()
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
             request = request._replace(
                 async_fn=partial(self._write_and_hash, write.args[0], snapshot.tmp),
-                preload_fn=partial(self._host_copies, request.async_fn_args[1], live))
+                preload_fn=partial(self._host_copies, request.async_fn_args[1], live, device))
+            self._copied.clear()
         request.add_finalize_fn(partial(self._finalize, snapshot, shards))
-        self.queue.schedule_async_request(request)
+        try:
+            self.queue.schedule_async_request(request)
+        except BaseException:
+            self._copied.set()  # no copy will run: before_update must not wait for one
+            raise
         self.pending = snapshot
 
-    def _host_copies(self, write_buckets: list, live: set[int]) -> list:
+    def _host_copies(self, write_buckets: list, live: set[int], device: int | None) -> list:
         try:
+            if device is not None:
+                torch.cuda.set_device(device)  # the current device is per thread; this rank's, not GPU 0
             return _host_copies(write_buckets, live)
         finally:
             self._copied.set()

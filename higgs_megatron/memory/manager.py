@@ -26,9 +26,10 @@ sending a unit (a full disk) gets back what it took; the unit stays, and an even
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -192,6 +193,8 @@ class MemoryManager:
         self.away = decision.away
         for index in sorted(self.away):
             self._send(index)
+        if set(decision.sent) - self.away:  # a tier failed: report only what moved
+            decision = replace(decision, sent=tuple(i for i in decision.sent if i in self.away))
         self.probe.reset()
         if decision.sent or decision.returned:
             self.history.append((self.steps, decision.sent, decision.returned))
@@ -286,8 +289,13 @@ def _rank() -> int:
 
 
 def _local_ranks() -> int:
-    """Ranks on this host (torchrun's LOCAL_WORLD_SIZE; 1 outside a launcher)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    """Ranks on this host: torchrun's LOCAL_WORLD_SIZE, else Slurm's SLURM_NTASKS_PER_NODE
+    (srun), else 1."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        digits = re.match(r"\d+", os.environ.get(name, ""))
+        if digits:
+            return max(1, int(digits.group()))
+    return 1
 
 
 def _host_total() -> int:

@@ -80,10 +80,14 @@ class FileTier:
         path = self.directory / f"{name}.bin"
         host = tensor.detach().to("cpu").contiguous()
         raw = host.reshape(-1).view(torch.uint8)
-        with open(path, "wb") as f:
-            raw.numpy().tofile(f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(path, "wb") as f:
+                raw.numpy().tofile(f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            path.unlink(missing_ok=True)  # a part-written file would keep a full disk full
+            raise
         away = Away(name, tensor.shape, tensor.dtype, tensor.device, tensor.numel() * tensor.element_size(),
                     path=path)
         _free(tensor)

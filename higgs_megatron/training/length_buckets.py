@@ -11,16 +11,20 @@ The schedule, computed alike on every rank from the seed alone (no communication
 
 1. Each train document (the documents Megatron's split gave the train set) is cut into
    chunks of at most ``seq_length + 1`` tokens with a stride of ``seq_length``, so that every
-   label of the document is predicted exactly once per epoch; one-token chunks are dropped.
-2. Epoch ``e`` permutes the chunks (``seed + e``), keeps whole global batches, and sorts
+   label of the document is in exactly one chunk; one-token chunks are dropped.
+2. Epoch ``e`` permutes the chunks (``seed + e``), keeps whole global batches (the
+   remainder, fewer than ``global_batch_size`` chunks, sits the epoch out), and sorts
    each pool of ``POOL_BATCHES`` global batches' worth of chunks by length; the pool is cut
    into global batches, whose order inside the pool is shuffled again.
 3. A global batch's length is the smallest bucket that holds its longest chunk. Shorter
    chunks are padded at the end with loss mask 0: under the causal mask no real token sees
-   a padded one, so the loss is that of the unpadded chunks.
+   a padded one, so every real token's loss is what it would be unpadded. (As in
+   Megatron-LM without ``--calculate-per-token-loss``, each micro-batch's loss is the mean
+   over its own real tokens, and the step averages micro-batches and DP ranks: with buckets
+   their token counts differ, so a token of a short micro-batch weighs a little more.)
 
 Iteration ``i`` reads global batch ``consumed_samples // global_batch_size``, so a resumed
-run (on any layout) continues the same sequence; within it, DP rank ``r`` reads the same
+run (on any layout, with the same global batch size) continues the same sequence; within it, DP rank ``r`` reads the same
 positions as in :func:`.data.microbatch_indices`. Validation keeps the packed samples, so
 validation loss stays comparable with runs that do not bucket.
 """

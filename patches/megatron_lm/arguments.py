@@ -137,6 +137,9 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
         offload = offload_config_from_args(args)
     except OffloadError as error:
         raise PatchUsageError(str(error)) from None
+    if offload is not None and getattr(args, "log_params_norm", False):
+        raise PatchUsageError("--log-params-norm with --higgs-offload: Megatron-LM reads the optimizer's main "
+                              "parameters for the norm after the step, while offloaded state is away; give one")
     if offload is not None and getattr(args, "optimizer_cpu_offload", False):
         raise PatchUsageError("--higgs-offload and --optimizer-cpu-offload both move the optimizer's state off the "
                               "device; give one (--higgs-offload decides from measured memory, "
