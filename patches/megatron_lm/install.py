@@ -167,11 +167,12 @@ def _offload_event(name: str, message: str, **fields: Any) -> None:
 
 
 def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
-    """A synchronous save has written the state it brought back: offloaded state leaves again
-    now, not at the end of the next step (an async save's copy may still be pending: then it
-    waits for that step)."""
+    """Once a save returns, it has what it needs of the state it brought back (an async
+    save's host copy included: megatron-core's callers finish ``preload_fn`` before
+    ``schedule_async_request`` returns, the persistent worker through its joined preload
+    queue), so offloaded state leaves again now, not at the end of the next step."""
     result = save(*args, **kwargs)
-    if _memory is not None and not megatron_training.get_args().async_save:
+    if _memory is not None:
         _memory.settle()
     return result
 
