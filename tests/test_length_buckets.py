@@ -36,8 +36,7 @@ def train_set(short_docs):
 
 
 def test_parse_buckets_appends_seq_length_and_names_errors():
-    assert parse_buckets("16,32", 64) == [16, 32, 64]
-    assert parse_buckets("16,64", 64) == [16, 64]
+    assert parse_buckets("16,32", 64) == [16, 32] and parse_buckets("16,64", 64) == [16, 64]
     for bad, why in (("16,x", "comma-separated"), ("0,32", r"\[1, --seq-length 64\]"),
                      ("128", r"\[1, --seq-length 64\]"), ("32,16", "strictly increasing"),
                      ("16,16", "strictly increasing")):

@@ -78,6 +78,15 @@ def tensors(checkpoint_dir, out) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
+def assert_same_checkpoint(tmp_path, name: str) -> None:
+    """Runs a/ and b/ saved the same checkpoint ``name``: every tensor bitwise, optimizer state included."""
+    a = tensors(tmp_path / "a" / name, tmp_path / "a.pt")
+    b = tensors(tmp_path / "b" / name, tmp_path / "b.pt")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_higgs_none_equals_dense_for_10_iterations_and_one_percent_trains(layout):
     nproc, flags = LAYOUTS[layout]
@@ -121,11 +130,7 @@ def test_save_and_resume_continue_the_straight_run(tmp_path, saving):
     assert tail[4]["lm loss"] == full[4]["lm loss"] and tail[6]["lm loss"] == full[6]["lm loss"]
     assert tail[5]["lm loss"] == pytest.approx((full[4]["lm loss"] + full[5]["lm loss"]) / 2, rel=1e-6)
     assert [tail[i]["grad norm"] for i in (4, 5, 6)] == [full[i]["grad norm"] for i in (4, 5, 6)]
-    a = tensors(tmp_path / "a" / "iter_0000006", tmp_path / "a.pt")
-    b = tensors(tmp_path / "b" / "iter_0000006", tmp_path / "b.pt")
-    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_same_checkpoint(tmp_path, "iter_0000006")
 
 
 @pytest.mark.parametrize("saved", ["tp2", "pp2"])
@@ -200,8 +205,4 @@ def test_async_saves_while_state_is_offloaded_resume_bitwise(tmp_path):
                           "--checkpoint-version", "3").stdout
     full, tail = iterations(straight), iterations(resumed)
     assert [tail[i]["grad norm"] for i in (4, 5, 6)] == [full[i]["grad norm"] for i in (4, 5, 6)]
-    a = tensors(tmp_path / "a" / "iter_0000006", tmp_path / "a.pt")
-    b = tensors(tmp_path / "b" / "iter_0000006", tmp_path / "b.pt")
-    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_same_checkpoint(tmp_path, "iter_0000006")

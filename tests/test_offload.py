@@ -75,8 +75,10 @@ def test_async_checkpoints_of_offloaded_state_resume_bitwise(tmp_path, tiny_gpt_
     if tier == "nvme":
         offload += ["--higgs-offload-device", "nvme", "--higgs-offload-dir", str(tmp_path / "nvme")]
     plain = run_ranks(run_trainer, 2, args=(base,))
-    run_ranks(run_trainer, 2, args=(base + offload + ["--save", str(tmp_path / "ckpt"), "--save-interval", "3",
-                                                      "--async-checkpoint"],))
+    saving = run_ranks(run_trainer, 2, args=(base + offload + ["--save", str(tmp_path / "ckpt"),
+                                                               "--save-interval", "3", "--async-checkpoint"],))
+    # each save brought the state back for its copy and sent it away again before returning
+    assert [r["resident_after_saves"] for r in saving] == [[0, 0], [0, 0]]
     resumed = run_ranks(run_trainer, 2, args=(base + offload + ["--load", str(tmp_path / "ckpt"),
                                                                 "--checkpoint-version", "3"],))
     for a, b in zip(plain, resumed):

@@ -260,9 +260,14 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
             if unwritable_rank_from is not None:
                 trainer_box["trainer"] = trainer
             start = trainer.iteration
+            resident_after_saves = []
+            if trainer.memory is not None:  # the optimizer state still on the device once each save returns
+                save = trainer.save
+                trainer.save = lambda: (save(), resident_after_saves.append(trainer.memory.resident_bytes()))
             state_after_load = tensor_pieces(sharded_training_state(trainer)) if args.load else None
             result = trainer.train()
             out = {"start": start, "losses": result.losses, "after_load": state_after_load,
+                   "resident_after_saves": resident_after_saves,
                    "final": tensor_pieces(sharded_training_state(trainer)), "coords": coordinates()}
             trainer.close()
     finally:

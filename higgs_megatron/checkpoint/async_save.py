@@ -147,7 +147,7 @@ class AsyncCheckpointer:
             device = torch.cuda.current_device() if torch.cuda.is_available() else None
             request = request._replace(
                 async_fn=partial(self._write_and_hash, write.args[0], snapshot.tmp),
-                preload_fn=partial(self._host_copies, request.async_fn_args[1], live, device))
+                preload_fn=partial(self._copy_on_writer_thread, request.async_fn_args[1], live, device))
             self._copied.clear()
         request.add_finalize_fn(partial(self._finalize, snapshot, shards))
         try:
@@ -157,7 +157,7 @@ class AsyncCheckpointer:
             raise
         self.pending = snapshot
 
-    def _host_copies(self, write_buckets: list, live: set[int], device: int | None) -> list:
+    def _copy_on_writer_thread(self, write_buckets: list, live: set[int], device: int | None) -> list:
         try:
             if device is not None:
                 torch.cuda.set_device(device)  # the current device is per thread; this rank's, not GPU 0

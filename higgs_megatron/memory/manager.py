@@ -20,7 +20,8 @@ step is the optimizer's own, bitwise; see the README for what is and is not meas
 Checkpoints read the state: ``sharded_state_dict`` and ``state_dict`` bring everything back
 first, and the trainer calls ``settle`` once the save has its copy, which sends it away
 again; ``load_state_dict`` loads into resident tensors. A tier that fails part-way through
-sending a unit (a full disk) gets back what it took; the unit stays, and an event says so. ``close`` brings everything back and removes the tier's files.
+sending a unit (a full disk) gets back what it took; the unit stays, and an event says so.
+``close`` brings everything back and removes the tier's files.
 """
 
 from __future__ import annotations

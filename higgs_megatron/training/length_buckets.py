@@ -31,6 +31,7 @@ validation loss stays comparable with runs that do not bucket.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import numpy
@@ -44,8 +45,15 @@ from .data import Batch, microbatch_indices
 POOL_BATCHES = 16
 
 
+@functools.lru_cache(maxsize=None)
+def _causal_mask(length: int) -> torch.Tensor:
+    """[length, length], True = masked (megatron-core's convention); one per bucket."""
+    return ~torch.tril(torch.ones((length, length), dtype=torch.bool))
+
+
 def parse_buckets(text: str, seq_length: int) -> list[int]:
-    """``"32,64"`` → ``[32, 64, seq_length]``; raises ValueError naming what is wrong."""
+    """``"32,64"`` → ``[32, 64]`` (``LengthBuckets`` adds ``seq_length``); raises ValueError
+    naming what is wrong."""
     try:
         buckets = [int(part) for part in text.split(",")]
     except ValueError:
@@ -54,7 +62,7 @@ def parse_buckets(text: str, seq_length: int) -> list[int]:
         raise ValueError(f"{text!r}: every length must be in [1, --seq-length {seq_length}]")
     if buckets != sorted(set(buckets)):
         raise ValueError(f"{text!r}: lengths must be strictly increasing")
-    return buckets if buckets[-1] == seq_length else buckets + [seq_length]
+    return buckets
 
 
 class LengthBuckets:
@@ -118,13 +126,12 @@ class LengthBuckets:
             tokens[row, :n] = torch.from_numpy(
                 self._documents.get(int(self.doc[chunk]), offset=int(self.offset[chunk]), length=n).astype(numpy.int64))
             loss_mask[row, :n - 1] = 1.0
-        causal = torch.tril(torch.ones((length, length), dtype=torch.bool))
         return {
             "tokens": tokens[:, :-1].contiguous(),
             "labels": tokens[:, 1:].contiguous(),
             "loss_mask": loss_mask,
             "position_ids": torch.arange(length, dtype=torch.int64).expand(len(chunks), length).contiguous(),
-            "attention_mask": (~causal).expand(len(chunks), 1, length, length).contiguous(),  # True = masked
+            "attention_mask": _causal_mask(length).expand(len(chunks), 1, length, length).contiguous(),
         }
 
     def iteration_batches(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,

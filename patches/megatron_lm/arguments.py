@@ -72,7 +72,9 @@ def chain_args_providers(existing: ArgsProvider | None) -> ArgsProvider:
     return provider
 
 
-# Our flags that mean something only with --use-higgs: (flag, attribute, value when not given).
+_WEIGHT_HASH_DEST = "check_weight_hash_across_dp_replicas_interval"  # Megatron-LM's own flag when it has one
+
+
 def _higgs_only_flags_given(args: argparse.Namespace) -> list[str]:
     """Our flags that differ from their defaults (``--use-higgs`` itself and the flag that
     Megatron-LM has of its own aside), named as the user wrote them."""
@@ -80,9 +82,6 @@ def _higgs_only_flags_given(args: argparse.Namespace) -> list[str]:
     return [action.option_strings[0] for action in ours._actions
             if action.option_strings and action.dest not in ("help", "use_higgs", _WEIGHT_HASH_DEST)
             and getattr(args, action.dest, action.default) != action.default]
-
-
-_WEIGHT_HASH_DEST = "check_weight_hash_across_dp_replicas_interval"
 
 
 def translate_args(args: argparse.Namespace) -> HiggsConfig | None:

@@ -117,7 +117,6 @@ class RankMapHooks:
             if dist.get_rank() == 0:
                 print(f" iteration {iteration} is already saved by this run; not saving it again", flush=True)
             return None
-        self.saved_iterations.add(int(iteration))
         a = self.args
         self.pending = PendingRankMap(
             directory=Path(a.save) / checkpoint_name(iteration), iteration=int(iteration),
@@ -128,6 +127,7 @@ class RankMapHooks:
             result = original(iteration, *args, **kwargs)
         if not a.async_save:
             self.pending.commit()
+        self.saved_iterations.add(int(iteration))  # only once the save went through (or was scheduled)
         return result
 
     def schedule_async_save(self, original: Callable, request: Any) -> Any:
