@@ -29,7 +29,17 @@ class HiggsConfig:
     """Add what was not sent to the next step's gradient (keeps top-k converging)."""
 
     density_warmup_iters: int = 0
-    """Go from dense to ``compression_ratio`` geometrically over the first N steps."""
+    """Go from dense to ``compression_ratio`` geometrically over N steps (after ``dense_iters``)."""
+
+    dense_iters: int = 0
+    """Sync dense, through Megatron's own collective, for the first N steps; compress after
+    them. Error feedback delays gradient mass; a dense start lets the model and Adam's moments
+    settle before the delays begin (1-bit Adam's warm-up stage)."""
+
+    freeze_adam_variance: bool = False
+    """With ``dense_iters``: freeze Adam's second moment as the dense stage ends, so that the
+    update is linear in the gradient and error feedback's delayed bursts arrive in full
+    (``frozen_variance``, 1-bit Adam's remedy). Needs torch's AdamW."""
 
     min_param_numel: int = 1024
     """Parameters smaller than this (biases, layer norms) are sent in full every step."""
@@ -65,12 +75,23 @@ class HiggsConfig:
             raise ValueError("node_link_gbps needs link_gbps (the links between nodes) too")
         if self.link_gbps is not None and self.sync != "auto":
             raise ValueError(f"link_gbps is what sync='auto' plans with; sync is {self.sync!r}")
-        for name in ("density_warmup_iters", "min_param_numel", "min_bucket_numel"):
+        for name in ("density_warmup_iters", "dense_iters", "min_param_numel", "min_bucket_numel"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.freeze_adam_variance and self.dense_iters == 0:
+            raise ValueError("freeze_adam_variance needs dense_iters > 0: the frozen second moment is "
+                             "the one Adam learned in the dense stage")
+
+    def dense_stage(self, step: int) -> bool:
+        """Whether ``step`` (0-based) is in the dense stage (``dense_iters``)."""
+        return step < self.dense_iters
 
     def density(self, step: int) -> float:
-        """The density in force at ``step`` (0-based): dense -> target over the warm-up."""
+        """The density in force at ``step`` (0-based): 1 in the dense stage, then from 1 to the
+        target over the warm-up."""
+        if self.dense_stage(step):
+            return 1.0
+        step -= self.dense_iters
         if step >= self.density_warmup_iters:
             return self.compression_ratio
         return self.compression_ratio ** (step / self.density_warmup_iters)
@@ -83,6 +104,8 @@ _FLAG_OF_FIELD = {
     "compression_ratio": "--higgs-compression-ratio",
     "compressor": "--higgs-compressor",
     "density_warmup_iters": "--higgs-density-warmup-iters",
+    "dense_iters": "--higgs-dense-iters",
+    "freeze_adam_variance": "--higgs-freeze-adam-variance",
     "min_param_numel": "--higgs-min-param-numel",
     "min_bucket_numel": "--higgs-min-bucket-numel",
     "sync": "--higgs-sync",
@@ -104,7 +127,11 @@ def add_higgs_args(parser: argparse.ArgumentParser, weight_hash_check: bool = Tr
     g.add_argument("--no-higgs-error-feedback", dest="higgs_error_feedback", action="store_false",
                    help="drop what is not sent instead of carrying it to the next step")
     g.add_argument("--higgs-density-warmup-iters", type=int, default=defaults.density_warmup_iters,
-                   help="go from dense to the target density over the first N iterations")
+                   help="go from dense to the target density over N iterations (after --higgs-dense-iters)")
+    g.add_argument("--higgs-dense-iters", type=int, default=defaults.dense_iters,
+                   help="sync dense for the first N iterations, then compress")
+    g.add_argument("--higgs-freeze-adam-variance", action="store_true",
+                   help="freeze Adam's second moment when the dense iterations end (1-bit Adam's remedy)")
     g.add_argument("--higgs-min-param-numel", type=int, default=defaults.min_param_numel,
                    help="parameters smaller than this are sent in full")
     g.add_argument("--higgs-min-bucket-numel", type=int, default=defaults.min_bucket_numel,
@@ -128,6 +155,8 @@ def higgs_config_from_args(args: argparse.Namespace) -> HiggsConfig:
         compressor=args.higgs_compressor,
         error_feedback=args.higgs_error_feedback,
         density_warmup_iters=args.higgs_density_warmup_iters,
+        dense_iters=args.higgs_dense_iters,
+        freeze_adam_variance=args.higgs_freeze_adam_variance,
         min_param_numel=args.higgs_min_param_numel,
         min_bucket_numel=args.higgs_min_bucket_numel,
         sync=args.higgs_sync,

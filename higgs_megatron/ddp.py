@@ -298,7 +298,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         for idx, bucket in enumerate(self.buckets):
             grad = bucket.grad_data
             residual = self.higgs_residuals[idx]
-            path = "dense" if force_all_reduce else self._higgs_path(idx, density)
+            dense = force_all_reduce or shared.config.dense_stage(self.higgs_steps)
+            path = "dense" if dense else self._higgs_path(idx, density)
             stats.dense_bytes += grad.numel() * grad.element_size()
             if path == "hierarchical":
                 sparse.append(self._launch_hierarchical(idx, grad, density, stats, async_op))

@@ -8,6 +8,8 @@
   [per model chunk]}``; ``sharded_state_dict()`` adds each rank's residuals as per-rank
   ``ShardedObject``s (never in the common part, which only rank 0 writes); the load
   methods restore them. Residuals are per rank: they belong to this rank's gradients.
+* **A frozen second moment**, with ``freeze_adam_variance``: from the end of the dense stage
+  (``dense_iters`` Adam steps) every torch AdamW inside takes ``frozen_variance``'s update.
 * **Skipping a step together.** Before stepping, every rank contributes whether its local
   gradients held a NaN/inf (HiggsDDP records it during the sync) to a MAX all-reduce over
   the default group. If any rank saw one, every rank skips: no optimizer update, gradients
@@ -26,7 +28,9 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 
+from .checkpoint.state import torch_optimizers
 from .ddp import HiggsDDP
+from .frozen_variance import check_supported, freeze_variance
 
 _DELEGATED = (
     "get_parameters", "get_main_grads_for_grad_norm", "get_grad_stats_parallel_group", "prepare_grads",
@@ -48,6 +52,13 @@ class HiggsOptimizer(MegatronOptimizer):
         self.on_skip: list[Callable[[], None]] = []
         for chunk in self.model_chunks:
             chunk.track_nonfinite(True)
+        config = self.model_chunks[0].higgs_config if self.model_chunks else None
+        if config is not None and config.freeze_adam_variance:
+            inner = [torch_optimizer for _, torch_optimizer in torch_optimizers(optimizer)]
+            for torch_optimizer in inner:  # all checked before any is changed
+                check_supported(torch_optimizer, "--higgs-freeze-adam-variance")
+            for torch_optimizer in inner:
+                freeze_variance(torch_optimizer, config.dense_iters)
 
     def __getattr__(self, name: str):
         if name == "inner":  # not yet set (during unpickling)

@@ -31,6 +31,9 @@ def _global(outs, field):
     pytest.param(2, [], HIGGS, id="dp2-higgs"),
     pytest.param(2, ["--tensor-model-parallel-size", "2"], HIGGS, id="tp2-higgs"),
     pytest.param(2, ["--use-distributed-optimizer"], [], id="dp2-distopt-dense"),
+    # saved after the freeze (step 3 of 6): the frozen second moment is ordinary optimizer state
+    pytest.param(2, ["--use-distributed-optimizer"], HIGGS + ["--higgs-dense-iters", "2", "--higgs-freeze-adam-variance"],
+                 id="dp2-distopt-higgs-frozen-variance"),
     pytest.param(4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"], HIGGS,
                  id="pp2xdp2-higgs"),
     # megatron-core's own fully_reshardable save pads the last stage's tied embedding with zeros

@@ -145,3 +145,8 @@ def test_config_validation_and_density_warmup():
     assert densities[0] == 1.0 and densities[4] == densities[5] == 0.01
     assert all(a > b for a, b in zip(densities[:4], densities[1:5]))
     assert densities[2] == pytest.approx(0.1)
+    staged = HiggsConfig(compression_ratio=0.01, dense_iters=3, density_warmup_iters=4)
+    assert [staged.dense_stage(step) for step in range(5)] == [True, True, True, False, False]
+    assert [staged.density(step) for step in range(3, 9)] == densities  # the warm-up starts after the dense stage
+    with pytest.raises(ValueError, match="freeze_adam_variance needs dense_iters > 0"):
+        HiggsConfig(freeze_adam_variance=True)

@@ -99,7 +99,9 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere(tiny_gpt_args):
     assert all(h["loss"] == h["loss"] for h in outs[-1]["history"] if h["ok"])  # finite after the skip
 
 
-@pytest.mark.parametrize("world_size,layout", [LAYOUTS[0], LAYOUTS[1]])
+@pytest.mark.parametrize("world_size,layout", [
+    LAYOUTS[0], LAYOUTS[1],
+    pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer"], id="dp2-distopt")])
 def test_error_feedback_state_survives_state_dict(world_size, layout, tiny_gpt_args):
     from tests.workers import resume_continuity
 
@@ -107,3 +109,27 @@ def test_error_feedback_state_survives_state_dict(world_size, layout, tiny_gpt_a
     for out in run_ranks(resume_continuity, world_size, args=(argv, 4), timeout=400):
         assert out["resumed"] == out["straight"]
         assert out["params_equal"]
+
+
+STAGED = SPARSE + ["--higgs-dense-iters", "3", "--higgs-freeze-adam-variance"]
+
+
+@DISTOPT
+def test_dense_stage_is_megatron_ddp_then_compression_and_frozen_variance_start(distopt, tiny_gpt_args):
+    """``--higgs-dense-iters 3``: the first three steps are Megatron DDP's, bitwise; from the
+    fourth the sync compresses and Adam's second moment stays as it was after step 3."""
+    from tests.workers import staged_sync
+
+    base = _base(tiny_gpt_args, ["--global-batch-size", "16"], distopt, iters=6)
+    outs = run_ranks(staged_sync, 2, args=({"megatron": base, "staged": base + STAGED},), timeout=400)
+    for out in outs:
+        megatron, staged = out["losses"]["megatron"], out["losses"]["staged"]
+        assert [staged[i] for i in range(1, 5)] == [megatron[i] for i in range(1, 5)], (staged, megatron)
+        assert staged[6] != megatron[6]
+        assert out["bytes_sent"][:3] == out["dense_bytes"][:3]
+        assert all(sent <= dense / 10 for sent, dense in zip(out["bytes_sent"][3:], out["dense_bytes"][3:])), out
+        variance = out["variance_after"]  # after steps 1..6
+        assert variance[1] != variance[2] == variance[3] == variance[4] == variance[5]
+    for name, value in outs[0]["params"]["staged"].items():
+        assert torch.equal(value, outs[1]["params"]["staged"][name]), f"DP replicas differ at {name}"
+

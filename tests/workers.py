@@ -54,6 +54,34 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
     return out
 
 
+def staged_sync(variants: dict[str, list[str]]) -> dict:
+    """``train_variants``, recording per step of the last variant the bytes sent, the dense
+    bytes and a checksum of Adam's second moment after the step."""
+    from higgs_megatron.checkpoint.state import torch_optimizers
+    from higgs_megatron.training.loop import Trainer
+
+    sent, dense, variance = [], [], []
+    original_step = Trainer.train_step
+
+    def recording_step(self):
+        result = original_step(self)
+        if self.args.use_higgs:
+            stats = self.model[0].take_stats()
+            sent.append(stats.bytes_sent)
+            dense.append(stats.dense_bytes)
+            variance.append(sum(float(state["exp_avg_sq"].double().sum())
+                                for _, optimizer in torch_optimizers(self.optimizer)
+                                for state in optimizer.state.values()))
+        return result
+
+    Trainer.train_step = recording_step
+    try:
+        out = train_variants(variants)
+    finally:
+        Trainer.train_step = original_step
+    return {**out, "bytes_sent": sent, "dense_bytes": dense, "variance_after": variance}
+
+
 def sparse_sync_invariants(argv: list[str]) -> dict:
     """Train at low density, recording each compression and the sync order; check per rank
     that sent + residual == accumulated gradient, and report params, bytes and the trace."""

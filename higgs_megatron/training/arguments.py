@@ -174,6 +174,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     for flag in ("save_interval", "checkpoint_interval", "async_checkpoint", "auto_resume"):
         if getattr(args, flag) not in (None, False) and args.save is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --save DIR")
+    if args.optimizer != "adam" and args.higgs_freeze_adam_variance:
+        raise UsageError(f"--higgs-freeze-adam-variance: freezes Adam's second moment; --optimizer is {args.optimizer}")
     if args.optimizer != "adam" and args.use_distributed_optimizer:
         raise UsageError(f"--optimizer {args.optimizer}: megatron-core's --use-distributed-optimizer supports adam only")
     if args.checkpoint_version is not None and args.load is None:

@@ -36,6 +36,7 @@ from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.async_save import AsyncCheckpointer
 from ..checkpoint.save import SaveResult, save_checkpoint
+from ..checkpoint.state import torch_optimizers
 from ..cpu import cpu_megatron
 from ..ddp import HiggsDDP, dense_bytes_per_step
 from ..memory import MemoryManager, make_probe
@@ -410,15 +411,24 @@ class Trainer:
         return result
 
     def state_dict(self) -> dict:
-        """Everything a same-layout resume needs, for this rank (model, optimizer, schedule, position)."""
-        return {"model": [chunk.state_dict() for chunk in self.model], "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "iteration": self.iteration,
-                "consumed_samples": self.consumed_samples}
+        """Everything a same-layout resume needs, for this rank (model, optimizer, schedule, position).
+
+        Megatron's distributed optimizer leaves Adam's moments out of its ``state_dict()`` (its
+        checkpoints save them through the sharded or DP-zero paths), so with it this rank's
+        shards of them come along as the inner torch optimizers' own state dicts."""
+        state = {"model": [chunk.state_dict() for chunk in self.model], "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "iteration": self.iteration,
+                 "consumed_samples": self.consumed_samples}
+        if self.args.use_distributed_optimizer:
+            state["optimizer_shards"] = [inner.state_dict() for _, inner in torch_optimizers(self.optimizer)]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for chunk, chunk_state in zip(self.model, state["model"]):
             chunk.load_state_dict(chunk_state)
         self.optimizer.load_state_dict(state["optimizer"])
+        for (_, inner), shard in zip(torch_optimizers(self.optimizer), state.get("optimizer_shards", [])):
+            inner.load_state_dict(shard)
         self.scheduler.load_state_dict(state["scheduler"])
         self.iteration = state["iteration"]
         self.consumed_samples = state["consumed_samples"]

@@ -1,0 +1,104 @@
+"""Adam with a frozen second moment (``higgs_megatron.frozen_variance``), one process."""
+
+import copy
+
+import pytest
+import torch
+
+from higgs_megatron.frozen_variance import freeze_variance
+
+
+def _pair(freeze_step, **adam):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(9))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    adam = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, **adam}
+    frozen, plain = torch.optim.AdamW(params, **adam), torch.optim.AdamW(twins, **adam)
+    freeze_variance(frozen, freeze_step)
+    return frozen, plain
+
+
+def _step(optimizer, grads):
+    for p, g in zip(optimizer.param_groups[0]["params"], grads):
+        p.grad = g.clone()
+    optimizer.step()
+
+
+def test_torch_update_before_the_freeze_and_the_frozen_one_after():
+    frozen, plain = _pair(freeze_step=3)
+    params, twins = frozen.param_groups[0]["params"], plain.param_groups[0]["params"]
+    for step in range(1, 7):
+        grads = [torch.randn_like(p) for p in params]
+        before = [p.detach().clone() for p in params]
+        moments = [(frozen.state[p]["exp_avg"].clone(), frozen.state[p]["exp_avg_sq"].clone()) if frozen.state[p]
+                   else None for p in params]
+        _step(frozen, grads)
+        _step(plain, grads)
+        if step <= 3:  # Adam's own update, bitwise
+            assert all(torch.equal(p, q) for p, q in zip(params, twins)), step
+            continue
+        for p, g, x, (m, v) in zip(params, grads, before, moments):
+            state = frozen.state[p]
+            assert int(state["step"]) == step
+            assert torch.equal(state["exp_avg_sq"], v), "the frozen second moment is never written"
+            m = 0.9 * m + 0.1 * g
+            expected = x * (1 - 1e-2 * 0.1) - 1e-2 / (1 - 0.9 ** step) * m / ((v / (1 - 0.95 ** 3)).sqrt() + 1e-8)
+            torch.testing.assert_close(state["exp_avg"], m)
+            torch.testing.assert_close(p.detach(), expected)
+        assert not torch.equal(params[0], twins[0])
+
+
+def _clone(optimizer, freeze_step):
+    params = [torch.nn.Parameter(p.detach().clone()) for p in optimizer.param_groups[0]["params"]]
+    clone = torch.optim.AdamW(params)
+    clone.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    freeze_variance(clone, freeze_step)
+    return clone
+
+
+def _displacement(optimizer, grads):
+    start = optimizer.param_groups[0]["params"][0].detach().clone()
+    for g in grads:
+        _step(optimizer, [g, torch.zeros(9)])
+    return optimizer.param_groups[0]["params"][0].detach() - start
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "plain-adam"])
+def test_a_burst_moves_a_coordinate_as_far_as_the_steps_it_stands_for_only_when_frozen(frozen):
+    """Why the freeze: error feedback delivers 20 steps' gradients as one burst. With the
+    second moment frozen the burst moves the parameters as far as the 20 steps would have;
+    plain Adam flattens it to a fraction of that."""
+    freeze_step = 50 if frozen else 10**9
+    optimizer, _ = _pair(freeze_step, weight_decay=0.0)
+    for _ in range(50):  # dense warm-up: the second moment learns the gradient scale
+        _step(optimizer, [torch.randn(6, 4), torch.randn(9)])
+    g = torch.full((6, 4), 0.5)
+    spread_out, burst = _clone(optimizer, freeze_step), _clone(optimizer, freeze_step)
+    quiet = [torch.zeros(6, 4)] * 100  # the momentum plays out
+    moved_spread = _displacement(spread_out, [g] * 20 + quiet)
+    moved_burst = _displacement(burst, [20 * g] + [torch.zeros(6, 4)] * 19 + quiet)
+    ratio = (moved_burst / moved_spread).mean().item()
+    if frozen:
+        assert abs(ratio - 1) < 0.01, ratio
+    else:
+        assert ratio < 0.5, ratio
+
+
+def test_a_frozen_optimizer_resumes_from_its_state_dict():
+    frozen, _ = _pair(freeze_step=2)
+    for _ in range(4):
+        _step(frozen, [torch.randn(6, 4), torch.randn(9)])
+    resumed = _clone(frozen, freeze_step=2)
+    grads = [torch.randn(6, 4), torch.randn(9)]
+    _step(frozen, grads)
+    _step(resumed, grads)
+    assert all(torch.equal(p, q) for p, q in zip(frozen.param_groups[0]["params"], resumed.param_groups[0]["params"]))
+
+
+def test_only_adamw_is_frozen_and_the_error_names_the_flag():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(ValueError, match="freeze_variance needs Adam .*SGD"):
+        freeze_variance(sgd, 5)
+    amsgrad = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad"):
+        freeze_variance(amsgrad, 5)
