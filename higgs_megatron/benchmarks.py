@@ -17,6 +17,19 @@ from typing import Sequence
 REPO = Path(__file__).resolve().parent.parent
 
 
+def higgs_flags(density: float, train_iters: int, dense_iters: int | None = None,
+                warmup_iters: int | None = None) -> list[str]:
+    """``--use-higgs`` at ``density``, compressing on one host (``--higgs-sync sparse``), with the
+    schedule that converges best in ``scripts/bench_convergence.py``: dense for the first
+    quarter of the run, Adam's second moment frozen as that ends, then density from 1 to the
+    target over the next third."""
+    dense_iters = train_iters // 4 if dense_iters is None else dense_iters
+    warmup_iters = train_iters // 3 if warmup_iters is None else warmup_iters
+    flags = ["--use-higgs", "--higgs-compression-ratio", f"{density:g}", "--higgs-sync", "sparse",
+             "--higgs-dense-iters", str(dense_iters), "--higgs-density-warmup-iters", str(warmup_iters)]
+    return flags + (["--higgs-freeze-adam-variance"] if dense_iters else [])
+
+
 def run_pretrain(flags: Sequence[str], log_json: Path, nproc: int, quiet: bool = False) -> None:
     """One training job; raises CalledProcessError if it fails."""
     log_json.parent.mkdir(parents=True, exist_ok=True)
@@ -46,7 +59,14 @@ def summarize(log_json: Path) -> dict:
         "bytes sent per step": statistics.median(r["bytes_sent"] for r in steady),
         "dense bytes per step": statistics.median(r["dense_bytes"] for r in steady),
         "compression time (ms)": statistics.median(r.get("compression_time_ms", 0.0) for r in steady),
+        "bytes sent per step at the end": iterations[-1]["bytes_sent"],  # after any warm-up
+        "traffic over the run vs dense": _ratio(sum(r["bytes_sent"] for r in iterations),
+                                                sum(r["dense_bytes"] for r in iterations)),
     }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
 
 
 def validation_curve(log_json: Path) -> list[tuple[int, float]]:

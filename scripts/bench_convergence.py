@@ -2,8 +2,12 @@
 
 Trains the same GPT on the default corpus three times (same seed, data and iterations):
 Megatron's own DDP, ``--use-higgs`` top-k at 1% with error feedback, and the same without
-error feedback. Writes ``convergence.md`` (final validation loss, ratio to dense, bytes per
-step) and ``convergence.png`` (the three validation-loss curves) into ``--out``.
+error feedback. Both compressed runs take the same schedule: dense for the first quarter of
+the iterations (``--higgs-dense-iters``), Adam's second moment frozen as that ends
+(``--higgs-freeze-adam-variance``), then density from 1 to the target over the next third
+(``--higgs-density-warmup-iters``). Writes ``convergence.md`` (final validation loss, ratio
+to dense, bytes per step at the end and over the whole run) and ``convergence.png`` (the
+three validation-loss curves) into ``--out``.
 
     python scripts/bench_convergence.py [--train-iters 600] [--nproc 2] [--out runs/convergence]
 """
@@ -15,7 +19,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from higgs_megatron.benchmarks import REPO, markdown_table, run_pretrain, summarize, validation_curve  # noqa: E402
+from higgs_megatron.benchmarks import (REPO, higgs_flags, markdown_table, run_pretrain, summarize,  # noqa: E402
+                                       validation_curve)
 
 
 def main() -> int:
@@ -23,6 +28,8 @@ def main() -> int:
     parser.add_argument("--train-iters", type=int, default=600)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--dense-iters", type=int, default=None, help="default: a quarter of --train-iters")
+    parser.add_argument("--density-warmup-iters", type=int, default=None, help="default: a third of --train-iters")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--reuse", action="store_true", help="tabulate the logs already in --out; train nothing")
     parser.add_argument("extra", nargs="*", help="more pretrain flags, after --")
@@ -31,7 +38,7 @@ def main() -> int:
     common = ["--train-iters", str(args.train_iters), "--log-interval", "10",
               "--eval-interval", str(max(1, args.train_iters // 12)), "--eval-iters", "10",
               "--overlap-grad-reduce", "--ddp-bucket-size", "250000", *args.extra]
-    higgs = ["--use-higgs", "--higgs-compression-ratio", str(args.density), "--higgs-sync", "sparse"]
+    higgs = higgs_flags(args.density, args.train_iters, args.dense_iters, args.density_warmup_iters)
     configurations = {
         "megatron-ddp (dense)": common,
         f"higgs top-k {args.density:g} + error feedback": common + higgs,
@@ -46,8 +53,10 @@ def main() -> int:
     dense = next(iter(rows.values()))["final validation loss"]
     for row in rows.values():
         row["loss vs dense"] = f"{row['final validation loss'] / dense:.3f}x"
-    table = markdown_table(rows, ["iterations", "final validation loss", "loss vs dense", "bytes sent per step",
-                                  "tokens/s"], baseline="megatron-ddp (dense)")
+        row["traffic over the run vs dense"] = f"{row['traffic over the run vs dense']:.3f}x"
+    table = markdown_table(rows, ["iterations", "final validation loss", "loss vs dense", "bytes sent per step at the end",
+                                  "traffic over the run vs dense", "tokens/s"], baseline="megatron-ddp (dense)")
+    table = f"Compressed runs: `{' '.join(higgs)}`\n\n{table}"
     (out / "convergence.md").write_text(table + "\n")
     print(table)
     try:
