@@ -108,6 +108,20 @@ def test_higgs_none_equals_dense_for_10_iterations_and_one_percent_trains(layout
     assert set(column(sparse, "higgs density")) == {0.01}
 
 
+def test_dense_iterations_then_compression_with_frozen_adam_variance():
+    """``--higgs-dense-iters 4 --higgs-freeze-adam-variance`` through Megatron-LM's optimizer
+    factory: the first four steps are Megatron's own, then 1% compression starts."""
+    flags = ["--use-distributed-optimizer"]
+    dense = megatron_lm(2, *flags, iters=8).stdout
+    staged = megatron_lm(2, *flags, "--use-higgs", "--higgs-sync", "sparse", "--higgs-compression-ratio", "0.01",
+                         "--higgs-dense-iters", "4", "--higgs-freeze-adam-variance", iters=8).stdout
+    assert column(staged, "lm loss")[:5] == column(dense, "lm loss")[:5]
+    assert column(staged, "lm loss")[5:] != column(dense, "lm loss")[5:]
+    assert column(staged, "higgs density") == [1.0] * 4 + [0.01] * 4
+    sent, dense_bytes = column(staged, "higgs MB sent"), column(staged, "higgs MB dense")
+    assert sent[:4] == dense_bytes[:4] and all(s < d / 5 for s, d in zip(sent[4:], dense_bytes[4:]))
+
+
 def test_without_use_higgs_the_patched_run_equals_the_unpatched_checkout():
     unpatched = megatron_lm(2, "--higgs-no-patches").stdout
     patched = megatron_lm(2).stdout
