@@ -75,7 +75,8 @@ def validation_curve(log_json: Path) -> list[tuple[int, float]]:
 
 
 def markdown_table(rows: dict[str, dict], columns: Sequence[str], baseline: str | None = None) -> str:
-    """Rows as a markdown table; with ``baseline``, tokens/s also as a ratio to it (``1.62x``)."""
+    """Rows as a markdown table; with ``baseline``, tokens/s also as a ratio to it (``1.62x``).
+    A column named "... vs dense" holds ratios, written like ``1.043x``."""
     head = ["configuration", *columns] + (["tokens/s vs " + baseline] if baseline else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in rows.items():
@@ -84,6 +85,8 @@ def markdown_table(rows: dict[str, dict], columns: Sequence[str], baseline: str 
             value = row[column]
             if isinstance(value, str):
                 cells.append(value)
+            elif column.endswith("vs dense"):
+                cells.append(f"{value:.3f}x")
             elif "loss" in column:
                 cells.append(f"{value:.4f}")
             elif "bytes" in column:

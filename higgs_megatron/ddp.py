@@ -293,12 +293,12 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         average = self.ddp_config.average_in_collective
         reduce_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         density = shared.config.density(self.higgs_steps)
+        dense = force_all_reduce or shared.config.dense_stage(self.higgs_steps)
         stats = SyncStats(density=density if shared.selector is not None else 1.0)
         dense_works, sparse = [], []
         for idx, bucket in enumerate(self.buckets):
             grad = bucket.grad_data
             residual = self.higgs_residuals[idx]
-            dense = force_all_reduce or shared.config.dense_stage(self.higgs_steps)
             path = "dense" if dense else self._higgs_path(idx, density)
             stats.dense_bytes += grad.numel() * grad.element_size()
             if path == "hierarchical":

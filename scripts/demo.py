@@ -37,7 +37,6 @@ def main() -> int:
         log = Path(args.out) / f"run{i}.jsonl"
         run_pretrain(common + flags, log, args.nproc)
         rows[name] = summarize(log)
-        rows[name]["traffic over the run vs dense"] = f"{rows[name]['traffic over the run vs dense']:.3f}x"
     print()
     print(markdown_table(rows, ["iterations", "final validation loss", "tokens/s", "step time (ms)",
                                 "bytes sent per step at the end", "traffic over the run vs dense"],
