@@ -148,6 +148,21 @@ def add_higgs_args(parser: argparse.ArgumentParser, weight_hash_check: bool = Tr
     return parser
 
 
+def flags_given(args: argparse.Namespace, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags of ``parser`` whose value in ``args`` differs from their default, named as a
+    user writes them (destinations in ``skip`` aside): what a run was asked for, so that a
+    flag that would be ignored can be refused instead."""
+    return [action.option_strings[0] for action in parser._actions
+            if action.option_strings and action.dest not in ("help", *skip)
+            and getattr(args, action.dest, action.default) != action.default]
+
+
+def compression_flags_given(args: argparse.Namespace) -> list[str]:
+    """``add_higgs_args``' flags given in ``args`` that only mean something with ``--use-higgs``."""
+    return flags_given(args, add_higgs_args(argparse.ArgumentParser()),
+                       skip=("use_higgs", "check_weight_hash_across_dp_replicas_interval"))
+
+
 def higgs_config_from_args(args: argparse.Namespace) -> HiggsConfig:
     """Build the config; a ValueError names the offending flag."""
     values = dict(

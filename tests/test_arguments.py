@@ -87,11 +87,21 @@ def test_under_torchrun_the_message_appears_once_and_ranks_exit_2():
     (["--use-higgs", "--higgs-node-link-gbps", "100"], "--higgs-node-link-gbps: node_link_gbps needs link_gbps"),
     (["--use-higgs", "--higgs-sync", "sparse", "--higgs-link-gbps", "1"], "--higgs-link-gbps: link_gbps is what sync='auto' plans with; sync is 'sparse'"),
     (["--check-weight-hash-across-dp-replicas-interval", "0"], "--check-weight-hash-across-dp-replicas-interval must be positive"),
+    (["--higgs-compression-ratio", "0.05", "--no-higgs-error-feedback"],
+     "--higgs-compression-ratio, --no-higgs-error-feedback: only with --use-higgs"),
+    (["--higgs-dense-iters", "5", "--higgs-freeze-adam-variance"],
+     "--higgs-dense-iters, --higgs-freeze-adam-variance: only with --use-higgs"),
 ])
 def test_bad_higgs_flags_are_named(argv, message):
     with pytest.raises(UsageError) as info:
         parse_args(argv, world_size=2)
     assert message in info.value.message
+
+
+def test_flags_that_need_no_compressed_sync_are_accepted_without_use_higgs():
+    args = parse_args(["--check-weight-hash-across-dp-replicas-interval", "5", "--higgs-compression-ratio", "0.01"],
+                      world_size=2)  # the ratio at its default is not "given"
+    assert args.higgs_config is None and args.check_weight_hash_across_dp_replicas_interval == 5
 
 
 def test_wandb_project_without_wandb_is_named(monkeypatch):

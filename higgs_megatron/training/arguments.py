@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from ..config import add_higgs_args, higgs_config_from_args
+from ..config import add_higgs_args, compression_flags_given, higgs_config_from_args
 from ..memory import OffloadError
 from ..memory.flags import add_offload_args, offload_config_from_args
 from ..stability.faults import FaultSpecError, parse_fault
@@ -171,6 +171,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads",
               "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last",
               "checkpoint_interval", "higgs_step_timeout")
+    if not args.use_higgs:
+        given = compression_flags_given(args)
+        if given:
+            raise UsageError(f"{', '.join(given)}: only with --use-higgs (they configure the compressed sync, "
+                             "which is off without it)")
     for flag in ("save_interval", "checkpoint_interval", "async_checkpoint", "auto_resume"):
         if getattr(args, flag) not in (None, False) and args.save is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --save DIR")

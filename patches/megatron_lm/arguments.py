@@ -25,7 +25,7 @@ import argparse
 import math
 from typing import Callable
 
-from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from_args
+from higgs_megatron.config import HiggsConfig, add_higgs_args, flags_given, higgs_config_from_args
 from higgs_megatron.memory import OffloadError
 from higgs_megatron.memory.flags import add_offload_args, offload_config_from_args
 
@@ -78,10 +78,7 @@ _WEIGHT_HASH_DEST = "check_weight_hash_across_dp_replicas_interval"  # Megatron-
 def _higgs_only_flags_given(args: argparse.Namespace) -> list[str]:
     """Our flags that differ from their defaults (``--use-higgs`` itself and the flag that
     Megatron-LM has of its own aside), named as the user wrote them."""
-    ours = add_patch_args(argparse.ArgumentParser())
-    return [action.option_strings[0] for action in ours._actions
-            if action.option_strings and action.dest not in ("help", "use_higgs", _WEIGHT_HASH_DEST)
-            and getattr(args, action.dest, action.default) != action.default]
+    return flags_given(args, add_patch_args(argparse.ArgumentParser()), skip=("use_higgs", _WEIGHT_HASH_DEST))
 
 
 def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
