@@ -47,7 +47,8 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import (FileSy
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from .manifest import CheckpointError
-from .save import SaveResult, _begin, _commit, _first_line, hash_files, _Snapshot, common_files, shard_files
+from .save import (SaveResult, _begin, _commit, _first_line, _Snapshot, common_files, crc32_skipped, hash_files,
+                   shard_files)
 from .state import shard_records, sharded_training_state
 
 
@@ -176,14 +177,15 @@ class AsyncCheckpointer:
         SHA-256 of this rank's files; results go where megatron-core's finalization reads them."""
         results: dict | Exception = {}
         local, count = queue.Queue(), queue.Queue()
-        for index, bucket in enumerate(write_buckets):
-            count.put(index)
-            FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, local, count, True)
-            _, written = local.get()
-            if isinstance(written, Exception):
-                results = written
-                break
-            results[index] = written
+        with crc32_skipped():
+            for index, bucket in enumerate(write_buckets):
+                count.put(index)
+                FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, local, count, True)
+                _, written = local.get()
+                if isinstance(written, Exception):
+                    results = written
+                    break
+                results[index] = written
         if not isinstance(results, Exception):
             self._hashes = hash_files(shard_files(rank, directory))
         results_queue.put(results)

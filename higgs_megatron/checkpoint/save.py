@@ -25,15 +25,19 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 # torch's checkpoint failure is a BaseException: name it, or it escapes the commit protocol.
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
+from torch.utils.serialization import config as serialization_config
 
 from megatron.core import dist_checkpointing, parallel_state
 
@@ -166,6 +170,37 @@ def _commit(snapshot: _Snapshot, shards: list, files: list[FileRecord], error: s
                       seconds=time.perf_counter() - snapshot.started, bytes=total)
 
 
+_crc32_lock = threading.Lock()
+_crc32_users = 0
+_crc32_before = True
+
+
+@contextmanager
+def crc32_skipped() -> Iterator[None]:
+    """``torch.save`` without its per-record CRC32 while inside (torch's own switch,
+    ``torch.utils.serialization.config.save.compute_crc32``; files load as before).
+
+    Why: every shard file is hashed with SHA-256 into the rank map and checked before
+    anything is loaded, so the zip records' CRC32 is a second checksum of the same bytes.
+    Measured on this project's CPU machine: ``torch.save`` of 100 MB in 100 tensors takes
+    116 ms of CPU with it and 53 ms without, on every rank and every save (an asynchronous
+    save's writer takes that time from the training ranks when they use every core). The
+    switch is process-wide, so its users are counted: the last to leave restores it."""
+    global _crc32_users, _crc32_before
+    with _crc32_lock:
+        if _crc32_users == 0:
+            _crc32_before = serialization_config.save.compute_crc32
+            serialization_config.save.compute_crc32 = False
+        _crc32_users += 1
+    try:
+        yield
+    finally:
+        with _crc32_lock:
+            _crc32_users -= 1
+            if _crc32_users == 0:
+                serialization_config.save.compute_crc32 = _crc32_before
+
+
 def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None) -> SaveResult:
     """Save the trainer's state as a committed checkpoint, synchronously (see the module docstring)."""
     snapshot = _begin(trainer, save_dir, keep_last)
@@ -174,7 +209,8 @@ def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None)
     shards = shard_records(state)
     error, files = None, []
     try:
-        dist_checkpointing.save(state, str(snapshot.tmp))
+        with crc32_skipped():
+            dist_checkpointing.save(state, str(snapshot.tmp))
         files = hash_files(shard_files(rank, snapshot.tmp) + common_files(rank, snapshot.tmp))
     except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
         error = f"rank {rank}: {type(exc).__name__}: {_first_line(exc)}"
