@@ -12,6 +12,8 @@ import argparse
 import math
 from dataclasses import asdict, dataclass
 
+from .flags import flags_given
+
 COMPRESSORS = ("topk", "sampled-topk", "none")
 SYNC_MODES = ("auto", "dense", "sparse", "hierarchical")
 
@@ -146,15 +148,6 @@ def add_higgs_args(parser: argparse.ArgumentParser, weight_hash_check: bool = Tr
         g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                        help="every N iterations verify that all DP replicas hold identical parameters")
     return parser
-
-
-def flags_given(args: argparse.Namespace, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> list[str]:
-    """The flags of ``parser`` whose value in ``args`` differs from their default, named as a
-    user writes them (destinations in ``skip`` aside): what a run was asked for, so that a
-    flag that would be ignored can be refused instead."""
-    return [action.option_strings[0] for action in parser._actions
-            if action.option_strings and action.dest not in ("help", *skip)
-            and getattr(args, action.dest, action.default) != action.default]
 
 
 def compression_flags_given(args: argparse.Namespace) -> list[str]:

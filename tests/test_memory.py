@@ -97,6 +97,8 @@ def test_an_unwritable_offload_directory_is_refused(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--higgs-offload", "--higgs-offload-threshold", "1.2"], r"--higgs-offload-threshold 1.2: expected a fraction"),
     (["--higgs-offload-threshold", "0.7"], r"--higgs-offload-threshold: only with --higgs-offload"),
+    (["--higgs-offload-schedule", "0.5", "--no-higgs-pin-memory", "--higgs-block-allocator", "expandable"],
+     r"^--no-higgs-pin-memory, --higgs-offload-schedule: only with --higgs-offload"),
     (["--higgs-offload", "--higgs-offload-device", "nvme"], r"needs --higgs-offload-dir"),
     (["--higgs-offload", "--higgs-offload-device", "nvme", "--higgs-offload-dir", "/proc/higgs"],
      r"--higgs-offload-dir /proc/higgs: not a writable directory"),

@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from ..flags import flags_given
 from .manager import OFFLOAD_DEVICES, OffloadConfig, OffloadError
 from .probe import ScriptedProbe
 
@@ -40,16 +41,10 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def offload_config_from_args(args: argparse.Namespace) -> OffloadConfig | None:
     """The config, None without --higgs-offload; ``OffloadError`` naming the flag otherwise."""
-    defaults = OffloadConfig()
     if not args.higgs_offload:
-        given = [flag for flag, value, unset in (
-            ("--higgs-offload-threshold", args.higgs_offload_threshold, defaults.threshold),
-            ("--higgs-offload-hysteresis", args.higgs_offload_hysteresis, defaults.hysteresis),
-            ("--higgs-offload-device", args.higgs_offload_device, defaults.device),
-            ("--higgs-offload-dir", args.higgs_offload_dir, None),
-            ("--no-higgs-pin-memory", args.higgs_pin_memory, True),
-            ("--higgs-pin-memory-limit-gb", args.higgs_pin_memory_limit_gb, None),
-            ("--higgs-offload-schedule", args.higgs_offload_schedule, None)) if value != unset]
+        # --higgs-block-allocator configures CUDA's allocator with or without the manager.
+        given = flags_given(args, add_offload_args(argparse.ArgumentParser()),
+                            skip=("higgs_offload", "higgs_block_allocator"))
         if given:
             raise OffloadError(f"{', '.join(given)}: only with --higgs-offload")
         return None
