@@ -12,7 +12,7 @@ import argparse
 import math
 from dataclasses import asdict, dataclass
 
-from .flags import flags_given
+from .given_flags import flags_given
 
 COMPRESSORS = ("topk", "sampled-topk", "none")
 SYNC_MODES = ("auto", "dense", "sparse", "hierarchical")
@@ -152,8 +152,7 @@ def add_higgs_args(parser: argparse.ArgumentParser, weight_hash_check: bool = Tr
 
 def compression_flags_given(args: argparse.Namespace) -> list[str]:
     """``add_higgs_args``' flags given in ``args`` that only mean something with ``--use-higgs``."""
-    return flags_given(args, add_higgs_args(argparse.ArgumentParser()),
-                       skip=("use_higgs", "check_weight_hash_across_dp_replicas_interval"))
+    return flags_given(args, add_higgs_args(argparse.ArgumentParser(), weight_hash_check=False), skip=("use_higgs",))
 
 
 def higgs_config_from_args(args: argparse.Namespace) -> HiggsConfig:

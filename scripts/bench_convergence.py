@@ -32,7 +32,8 @@ def main() -> int:
     parser.add_argument("--density-warmup-iters", type=int, default=None, help="default: a third of --train-iters")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--reuse", action="store_true", help="tabulate the logs already in --out; train nothing")
-    parser.add_argument("extra", nargs="*", help="more pretrain flags, after --")
+    parser.add_argument("extra", nargs="*", help="more pretrain flags for every run, after -- (not --higgs-* "
+                        "ones: the dense run refuses them; the compressed runs take --density and the schedule flags)")
     args = parser.parse_args()
     out = Path(args.out)
     common = ["--train-iters", str(args.train_iters), "--log-interval", "10",

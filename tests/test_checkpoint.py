@@ -70,6 +70,7 @@ def test_async_save_is_a_snapshot_while_training_goes_on(tmp_path, world_size, l
     straight = run_ranks(run_trainer, world_size, args=(base + ["--save", str(tmp_path), "--save-interval", "3",
                                                                 "--async-checkpoint"],))
     assert (tmp_path / "latest").read_text().strip() == "6"
+    assert _record_crcs(tmp_path / "iter_0000003") == {0}  # written by the writer thread
     resumed = run_ranks(run_trainer, world_size, args=(base + ["--load", str(tmp_path), "--checkpoint-version", "3"],))
     for a, b in zip(straight, resumed):
         assert b["start"] == 3
@@ -198,6 +199,20 @@ def test_rank_map_describes_every_rank(tmp_path, tiny_gpt_args):
     assert on_disk == {f.path for r in manifest.ranks for f in r.files}
     # every saved tensor is tiled exactly once by the main-replica shards
     assert any(s.key == "embedding.word_embeddings.weight" for r in manifest.ranks for s in r.shards)
+    assert _record_crcs(tmp_path / "iter_0000001") == {0}  # written by megatron-core's forked writers
+
+
+def _record_crcs(directory) -> set[int]:
+    """The CRC-32 fields of every zip record header in the shard files (``torch.save`` writes
+    one zip per tensor; a save inside ``crc32_skipped`` leaves them 0)."""
+    crcs = set()
+    for path in directory.glob("*.distcp"):
+        data = path.read_bytes()
+        start = data.find(b"PK\x03\x04")
+        while start >= 0:
+            crcs.add(int.from_bytes(data[start + 14:start + 18], "little"))
+            start = data.find(b"PK\x03\x04", start + 4)
+    return crcs
 
 
 @pytest.mark.parametrize("mode", [pytest.param([], id="sync"), pytest.param(["--async-checkpoint"], id="async")])

@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from ..flags import flags_given
+from ..given_flags import flags_given
 from .manager import OFFLOAD_DEVICES, OffloadConfig, OffloadError
 from .probe import ScriptedProbe
 

@@ -174,8 +174,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if not args.use_higgs:
         given = compression_flags_given(args)
         if given:
-            raise UsageError(f"{', '.join(given)}: only with --use-higgs (they configure the compressed sync, "
-                             "which is off without it)")
+            raise UsageError(f"{', '.join(given)}: only with --use-higgs (the compressed sync's settings; "
+                             "without --use-higgs it is off)")
     for flag in ("save_interval", "checkpoint_interval", "async_checkpoint", "auto_resume"):
         if getattr(args, flag) not in (None, False) and args.save is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --save DIR")

@@ -26,7 +26,7 @@ import math
 from typing import Callable
 
 from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from_args
-from higgs_megatron.flags import flags_given
+from higgs_megatron.given_flags import flags_given
 from higgs_megatron.memory import OffloadError
 from higgs_megatron.memory.flags import add_offload_args, offload_config_from_args
 

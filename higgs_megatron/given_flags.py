@@ -1,0 +1,41 @@
+"""What every flag group needs: which of its flags a run was actually given.
+
+A flag whose feature is off would be silently ignored; the pretrain script and the
+Megatron-LM patches refuse it instead, naming it. "Given" is read off the parser itself (a
+value that differs from what the parser makes of no flags at all), so a flag added to a
+group is covered without a second list to keep in step. A flag given at its default value
+is indistinguishable from one not given, and passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _same(a: object, b: object) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def flags_given(args: argparse.Namespace, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags of ``parser`` whose value in ``args`` differs from the parser's own result for
+    no flags, in the parser's order, each destination once (destinations in ``skip`` aside).
+    Of several flags sharing a destination (``--x`` / ``--no-x``), the one that sets the
+    value ``args`` holds is named."""
+    baseline = parser.parse_known_args([])[0]
+    given, seen = [], set(skip) | {"help"}
+    for action in parser._actions:
+        dest = action.dest
+        if not action.option_strings or dest in seen:
+            continue
+        value = getattr(args, dest, getattr(baseline, dest, None))
+        if _same(value, getattr(baseline, dest, None)):
+            continue
+        seen.add(dest)
+        setters = [a for a in parser._actions if a.dest == dest and a.option_strings
+                   and getattr(a, "const", None) is not None and _same(a.const, value)]
+        named = (setters[0] if setters else action).option_strings
+        if isinstance(action, argparse.BooleanOptionalAction):  # --c / --no-c: the form that was written
+            named = [o for o in named if o.startswith("--no-") == (value is False)] or named
+        given.append(named[0])
+    return given
