@@ -228,23 +228,23 @@ def test_write_failure_on_one_rank_commits_nothing(tmp_path, mode, tiny_gpt_args
 def test_crc32_is_skipped_while_saving_and_restored_after():
     """Shard files are SHA-256-checked at load, so saves skip torch.save's CRC32; the user's
     setting comes back when the last save using the switch leaves, also after an error."""
-    from torch.utils.serialization import config
+    from torch.serialization import get_crc32_options, set_crc32_options
 
     from higgs_megatron.checkpoint.save import crc32_skipped
 
-    assert config.save.compute_crc32
+    assert get_crc32_options()
     with crc32_skipped():
         with crc32_skipped():  # a sync save inside an async writer's window
-            assert not config.save.compute_crc32
-        assert not config.save.compute_crc32
-    assert config.save.compute_crc32
+            assert not get_crc32_options()
+        assert not get_crc32_options()
+    assert get_crc32_options()
     with pytest.raises(OSError), crc32_skipped():
         raise OSError("disk full")
-    assert config.save.compute_crc32
-    config.save.compute_crc32 = False  # a user who switched it off keeps it off
+    assert get_crc32_options()
+    set_crc32_options(False)  # a user who switched it off keeps it off
     try:
         with crc32_skipped():
             pass
-        assert not config.save.compute_crc32
+        assert not get_crc32_options()
     finally:
-        config.save.compute_crc32 = True
+        set_crc32_options(True)

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 # torch's checkpoint failure is a BaseException: name it, or it escapes the commit protocol.
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
-from torch.utils.serialization import config as serialization_config
 
 from megatron.core import dist_checkpointing, parallel_state
 
@@ -178,7 +177,7 @@ _crc32_before = True
 @contextmanager
 def crc32_skipped() -> Iterator[None]:
     """``torch.save`` without its per-record CRC32 while inside (torch's own switch,
-    ``torch.utils.serialization.config.save.compute_crc32``). The files load as before with
+    ``torch.serialization.set_crc32_options``). The files load as before with
     torch, which never reads the CRC32 (a flipped byte in a tensor loads silently); zip tools
     such as ``unzip -t`` report the zeros as mismatches.
 
@@ -193,8 +192,8 @@ def crc32_skipped() -> Iterator[None]:
     global _crc32_users, _crc32_before
     with _crc32_lock:
         if _crc32_users == 0:
-            _crc32_before = serialization_config.save.compute_crc32
-            serialization_config.save.compute_crc32 = False
+            _crc32_before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
         _crc32_users += 1
     try:
         yield
@@ -202,7 +201,7 @@ def crc32_skipped() -> Iterator[None]:
         with _crc32_lock:
             _crc32_users -= 1
             if _crc32_users == 0:
-                serialization_config.save.compute_crc32 = _crc32_before
+                torch.serialization.set_crc32_options(_crc32_before)
 
 
 def save_checkpoint(trainer, save_dir: str | Path, keep_last: int | None = None) -> SaveResult:
