@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from higgs_megatron.frozen_variance import freeze_variance
+from higgs_megatron.frozen_variance import MAX_UPDATE_RMS, freeze_variance
 
 
 def _pair(freeze_step, **adam):
@@ -65,23 +65,46 @@ def _displacement(optimizer, grads):
 
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "plain-adam"])
 def test_a_burst_moves_a_coordinate_as_far_as_the_steps_it_stands_for_only_when_frozen(frozen):
-    """Why the freeze: error feedback delivers 20 steps' gradients as one burst. With the
-    second moment frozen the burst moves the parameters as far as the 20 steps would have;
-    plain Adam flattens it to a fraction of that."""
+    """Why the freeze: error feedback delivers 20 steps' gradients as one burst, on the few
+    coordinates top-k picked. With the second moment frozen the burst moves them as far as the
+    20 steps would have (the update cap does not touch a burst this sparse); plain Adam
+    flattens it to a fraction of that."""
     freeze_step = 50 if frozen else 10**9
     optimizer, _ = _pair(freeze_step, weight_decay=0.0)
     for _ in range(50):  # dense warm-up: the second moment learns the gradient scale
         _step(optimizer, [torch.randn(6, 4), torch.randn(9)])
-    g = torch.full((6, 4), 0.5)
+    g = torch.zeros(6, 4)
+    g[0, :2] = 0.5
     spread_out, burst = _clone(optimizer, freeze_step), _clone(optimizer, freeze_step)
     quiet = [torch.zeros(6, 4)] * 100  # the momentum plays out
     moved_spread = _displacement(spread_out, [g] * 20 + quiet)
     moved_burst = _displacement(burst, [20 * g] + [torch.zeros(6, 4)] * 19 + quiet)
-    ratio = (moved_burst / moved_spread).mean().item()
+    ratio = (moved_burst[0, :2] / moved_spread[0, :2]).mean().item()
     if frozen:
         assert abs(ratio - 1) < 0.01, ratio
     else:
         assert ratio < 0.5, ratio
+
+
+def test_a_frozen_update_is_held_to_an_rms_of_one_learning_rate_when_gradients_blow_up():
+    """Linear in the gradient, a frozen update would grow with a loss spike's gradients (and
+    feed the spike); capped like Adafactor's, each parameter moves MAX_UPDATE_RMS learning
+    rates in RMS at most, in the direction of the uncapped update."""
+    optimizer, _ = _pair(freeze_step=20, weight_decay=0.0)
+    for _ in range(20):  # the second moment learns a gradient scale of 1
+        _step(optimizer, [torch.randn(6, 4), torch.randn(9)])
+    params = optimizer.param_groups[0]["params"]
+    for scale in (0.1, 1000.0):
+        grads = [scale * torch.randn_like(p) for p in params]
+        before = [(p.detach().clone(), optimizer.state[p]["exp_avg"].clone(), optimizer.state[p]["exp_avg_sq"])
+                  for p in params]
+        step = int(optimizer.state[params[0]]["step"]) + 1
+        _step(optimizer, grads)
+        for p, g, (x, m, v) in zip(params, grads, before):
+            uncapped = (0.9 * m + 0.1 * g) / (1 - 0.9 ** step) / ((v / (1 - 0.95 ** 20)).sqrt() + 1e-8)
+            rms = uncapped.square().mean().sqrt().item()
+            assert (rms < MAX_UPDATE_RMS) if scale < 1 else (rms > 50 * MAX_UPDATE_RMS), rms
+            torch.testing.assert_close(p.detach(), x - 1e-2 * uncapped / max(1.0, rms / MAX_UPDATE_RMS))
 
 
 def test_a_frozen_optimizer_resumes_from_its_state_dict():
