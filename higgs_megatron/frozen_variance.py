@@ -17,18 +17,24 @@ would have, and error feedback is exact again.
 The price of linearity is Adam's self-limiting step: with the second moment fixed, gradients
 that grow (a loss spike) move the weights further, which makes the gradients grow again.
 Measured (1,200 iterations, DP=2, 1%, the benchmark's schedule scaled: dense 300, ramp 400):
-the run diverged from iteration 500 on (validation loss 2.05 -> 2.73, grad norm spikes to
-24) and ended 1.28x above dense, while plain Adam ended 1.05x. So the frozen update is
-capped as Adafactor caps its own (Shazeer & Stern, 2018, update clipping with d = 1): per
-parameter, ``u = m_hat / (sqrt(v_frozen) + eps)`` is scaled down to an RMS of
+from iteration 500 on the run was unstable (validation loss 2.05 -> 2.73, grad norm spikes
+to 24) and ended at 1.28x dense's loss, while plain Adam ended at 1.05x. So the frozen
+update is capped as Adafactor caps its own (Shazeer & Stern, 2018, update clipping with
+d = 1): per parameter, ``u = m_hat / (sqrt(v_frozen) + eps)`` is scaled down to an RMS of
 ``MAX_UPDATE_RMS`` when its RMS is larger. "Parameter" is the tensor this optimizer holds:
-with the distributed optimizer or tensor parallelism, this rank's shard of it. A burst of
-error feedback touches a small fraction of a tensor's coordinates and stays below the cap,
-so bursts remain linear; a tensor whose whole gradient blows up is held to Adam's usual
-step size. With the cap the same run ended 1.034x above dense; the 600-iteration benchmark
-run was unchanged (1.044x against 1.043x). In the 300-iteration test's 128K-parameter model,
-where one selected coordinate is a larger share of a small tensor, it cost 0.7% of loss
-(1.028x against 1.021x).
+with the distributed optimizer or tensor parallelism, this rank's shard of it (each shard
+has one owner, so replicas stay identical, but where a tensor is cut depends on the layout).
+A burst of error feedback touches a small fraction of a tensor's coordinates and usually
+stays below the cap, so bursts remain linear; a tensor whose whole gradient blows up is held
+to Adam's usual step size. With the cap the same run ended at 1.034x; the 600-iteration
+benchmark run was unchanged (1.044x against 1.043x). In the 300-iteration test's
+128K-parameter model, where one selected coordinate is a larger share of a small tensor, the
+cap binds more often and cost 0.7% of loss (1.028x against 1.021x). Single runs each.
+
+A coordinate whose frozen second moment is exactly zero had no gradient in the whole dense
+stage (an untied embedding row of a token not yet seen): it has no scale to keep, and
+dividing by ``eps`` would move it ``lr * m / eps`` on its first gradient. It takes the mean
+of its tensor's ``sqrt(v_hat)`` instead.
 
 How. ``freeze_variance(torch_optimizer, freeze_step)`` replaces the optimizer's ``step`` on
 that instance. A parameter whose Adam ``step`` count is below ``freeze_step`` takes torch's
@@ -115,14 +121,14 @@ def _frozen_step(torch_optimizer: torch.optim.Optimizer, frozen: set[int]) -> No
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         denominators = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
         torch._foreach_div_(denominators, (1 - beta2 ** freeze_step) ** 0.5)
+        for denominator in denominators:  # no gradient in the whole dense stage: no scale to keep
+            denominator.masked_fill_(denominator == 0, denominator.mean())
         torch._foreach_add_(denominators, eps)
         updates = denominators  # m / (sqrt(v) + eps), in the denominators' memory
         torch._foreach_reciprocal_(updates)
-        torch._foreach_mul_(updates, [s["exp_avg"] for s in states])
-        rms = torch.stack(torch._foreach_norm(updates)) / torch.tensor(
-            [u.numel() ** 0.5 for u in updates], device=updates[0].device)
-        bias_corrections = torch.tensor([1 - beta1 ** int(s["step"]) for s in states], device=rms.device)
-        # -lr * u, u = m_hat / (sqrt(v_hat) + eps) scaled to an RMS of at most MAX_UPDATE_RMS
-        scales = -lr / bias_corrections / (rms / bias_corrections / MAX_UPDATE_RMS).clamp(min=1.0)
-        for p, update, scale in zip(params, updates, scales.unbind()):
-            p.add_(update.mul_(scale))
+        torch._foreach_mul_(updates, exp_avgs)
+        for p, s, update, norm in zip(params, states, updates, torch._foreach_norm(updates)):
+            bias_correction = 1 - beta1 ** int(s["step"])
+            # u = m_hat / (sqrt(v_hat) + eps), scaled down to an RMS of MAX_UPDATE_RMS if above it
+            over_cap = norm.div_(bias_correction * MAX_UPDATE_RMS * update.numel() ** 0.5).clamp_(min=1.0)
+            p.add_(update.div_(over_cap), alpha=-lr / bias_correction)

@@ -27,8 +27,8 @@ def _step(optimizer, grads):
 def test_torch_update_before_the_freeze_and_the_frozen_one_after():
     frozen, plain = _pair(freeze_step=3)
     params, twins = frozen.param_groups[0]["params"], plain.param_groups[0]["params"]
-    for step in range(1, 7):
-        grads = [torch.randn_like(p) for p in params]
+    for step in range(1, 7):  # after the freeze, gradients small enough to stay below the cap
+        grads = [torch.randn_like(p) * (1.0 if step <= 3 else 0.5) for p in params]
         before = [p.detach().clone() for p in params]
         moments = [(frozen.state[p]["exp_avg"].clone(), frozen.state[p]["exp_avg_sq"].clone()) if frozen.state[p]
                    else None for p in params]
@@ -105,6 +105,21 @@ def test_a_frozen_update_is_held_to_an_rms_of_one_learning_rate_when_gradients_b
             rms = uncapped.square().mean().sqrt().item()
             assert (rms < MAX_UPDATE_RMS) if scale < 1 else (rms > 50 * MAX_UPDATE_RMS), rms
             torch.testing.assert_close(p.detach(), x - 1e-2 * uncapped / max(1.0, rms / MAX_UPDATE_RMS))
+
+
+def test_a_coordinate_without_gradient_in_the_dense_stage_moves_like_its_neighbours():
+    """Its frozen second moment is 0: divided by eps it would take the whole capped update."""
+    optimizer, _ = _pair(freeze_step=20, weight_decay=0.0)
+    for _ in range(20):
+        g = torch.randn(6, 4)
+        g[0, 0] = 0.0  # a token not seen in the dense stage
+        _step(optimizer, [g, torch.randn(9)])
+    params = optimizer.param_groups[0]["params"]
+    assert optimizer.state[params[0]]["exp_avg_sq"][0, 0] == 0
+    before = params[0].detach().clone()
+    _step(optimizer, [torch.ones(6, 4), torch.zeros(9)])
+    moved = (before - params[0].detach()).abs() / 1e-2
+    assert moved[0, 0] < 2 * moved.flatten()[1:].max(), moved
 
 
 def test_a_frozen_optimizer_resumes_from_its_state_dict():
