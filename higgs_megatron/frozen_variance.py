@@ -29,7 +29,7 @@ stays below the cap, so bursts remain linear; a tensor whose whole gradient blow
 to Adam's usual step size. With the cap the same run ended at 1.034x; the 600-iteration
 benchmark run was unchanged (1.044x against 1.043x). In the 300-iteration test's
 128K-parameter model, where one selected coordinate is a larger share of a small tensor, the
-cap binds more often and cost 0.7% of loss (1.028x against 1.021x). Single runs each.
+cap binds more often and cost 0.6% of loss (1.027x against 1.021x). Single runs each.
 
 A coordinate whose frozen second moment is exactly zero had no gradient in the whole dense
 stage (an untied embedding row of a token not yet seen): it has no scale to keep, and

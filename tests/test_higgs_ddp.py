@@ -137,7 +137,7 @@ def test_dense_stage_is_megatron_ddp_then_compression_and_frozen_variance_start(
 
 def test_one_percent_with_error_feedback_converges_near_dense_on_the_corpus(tiny_gpt_args):
     """The short version of ``scripts/bench_convergence.py``: 300 iterations on the default
-    corpus, DP=2. Measured here: dense 2.493, 1% top-k with error feedback 2.562 (1.028x;
+    corpus, DP=2. Measured here: dense 2.493, 1% top-k with error feedback 2.562 (1.027x;
     2.545 before the frozen update was capped), without error feedback 2.600 (1.043x); the
     same 1% with error feedback but without the dense stage, frozen variance and density
     warm-up, 2.967 (1.19x)."""
