@@ -31,16 +31,18 @@ benchmark run was unchanged (1.044x against 1.043x). In the 300-iteration test's
 128K-parameter model, where one selected coordinate is a larger share of a small tensor, the
 cap binds more often and cost 0.6% of loss (1.027x against 1.021x). Single runs each.
 
-A coordinate whose frozen second moment is exactly zero had no gradient in the whole dense
-stage (an untied embedding row of a token not yet seen): it has no scale to keep, and
-dividing by ``eps`` would move it ``lr * m / eps`` on its first gradient. It takes the mean
-of its tensor's ``sqrt(v_hat)`` instead.
+A coordinate whose second moment is exactly zero when it freezes had no gradient in the
+whole dense stage (an untied embedding row of a token not yet seen): it has no scale to
+keep, and dividing by ``eps`` would move it ``lr * m / eps`` on its first gradient. So on the
+first frozen step, and only then, such coordinates are set to their tensor's mean second
+moment; that is the one write to ``exp_avg_sq`` after the dense stage, and a checkpoint
+taken later carries it.
 
 How. ``freeze_variance(torch_optimizer, freeze_step)`` replaces the optimizer's ``step`` on
 that instance. A parameter whose Adam ``step`` count is below ``freeze_step`` takes torch's
 own update (bitwise the same as without this); one at or past it takes the frozen update,
-which leaves ``exp_avg_sq`` untouched. So the frozen moment is what ``exp_avg_sq`` held after
-step ``freeze_step``, and it is saved, loaded and resharded as the ordinary optimizer state
+which leaves ``exp_avg_sq`` untouched (its zeros aside, above). So the frozen moment is what
+``exp_avg_sq`` held after step ``freeze_step``, and it is saved, loaded and resharded as the ordinary optimizer state
 it is: a resumed run needs nothing else. Only torch's ``AdamW`` (what megatron-core uses
 without Transformer Engine or Apex) is supported; anything else is refused.
 """
@@ -115,14 +117,15 @@ def _frozen_step(torch_optimizer: torch.optim.Optimizer, frozen: set[int]) -> No
         grads = [p.grad for p in params]
         exp_avgs = [s["exp_avg"] for s in states]
         for s in states:
+            if int(s["step"]) == freeze_step:  # freezing now: zeros have no scale to keep
+                v = s["exp_avg_sq"]
+                v.masked_fill_(v == 0, v.mean())
             s["step"] += 1
         if weight_decay:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         denominators = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
         torch._foreach_div_(denominators, (1 - beta2 ** freeze_step) ** 0.5)
-        for denominator in denominators:  # no gradient in the whole dense stage: no scale to keep
-            denominator.masked_fill_(denominator == 0, denominator.mean())
         torch._foreach_add_(denominators, eps)
         updates = denominators  # m / (sqrt(v) + eps), in the denominators' memory
         torch._foreach_reciprocal_(updates)

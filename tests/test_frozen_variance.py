@@ -108,18 +108,25 @@ def test_a_frozen_update_is_held_to_an_rms_of_one_learning_rate_when_gradients_b
 
 
 def test_a_coordinate_without_gradient_in_the_dense_stage_moves_like_its_neighbours():
-    """Its frozen second moment is 0: divided by eps it would take the whole capped update."""
+    """Its second moment is 0 as it freezes: divided by eps it would take the whole capped
+    update. It takes the tensor's mean, once, and is frozen at that."""
     optimizer, _ = _pair(freeze_step=20, weight_decay=0.0)
     for _ in range(20):
         g = torch.randn(6, 4)
         g[0, 0] = 0.0  # a token not seen in the dense stage
         _step(optimizer, [g, torch.randn(9)])
     params = optimizer.param_groups[0]["params"]
-    assert optimizer.state[params[0]]["exp_avg_sq"][0, 0] == 0
+    v = optimizer.state[params[0]]["exp_avg_sq"]
+    assert v[0, 0] == 0
+    mean = v.mean().item()
     before = params[0].detach().clone()
     _step(optimizer, [torch.ones(6, 4), torch.zeros(9)])
     moved = (before - params[0].detach()).abs() / 1e-2
     assert moved[0, 0] < 2 * moved.flatten()[1:].max(), moved
+    assert v[0, 0].item() == pytest.approx(mean) and (v > 0).all()
+    frozen = v.clone()
+    _step(optimizer, [torch.ones(6, 4), torch.zeros(9)])
+    assert torch.equal(v, frozen)
 
 
 def test_a_frozen_optimizer_resumes_from_its_state_dict():
