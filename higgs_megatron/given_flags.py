@@ -19,23 +19,15 @@ def _same(a: object, b: object) -> bool:
 
 def flags_given(args: argparse.Namespace, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> list[str]:
     """The flags of ``parser`` whose value in ``args`` differs from the parser's own result for
-    no flags, in the parser's order, each destination once (destinations in ``skip`` aside).
-    Of several flags sharing a destination (``--x`` / ``--no-x``), the one that sets the
-    value ``args`` holds is named."""
+    no flags, in the parser's order, each destination once (destinations in ``skip`` aside),
+    named by the first flag of that destination."""
     baseline = parser.parse_known_args([])[0]
     given, seen = [], set(skip) | {"help"}
     for action in parser._actions:
         dest = action.dest
         if not action.option_strings or dest in seen:
             continue
-        value = getattr(args, dest, getattr(baseline, dest, None))
-        if _same(value, getattr(baseline, dest, None)):
-            continue
-        seen.add(dest)
-        setters = [a for a in parser._actions if a.dest == dest and a.option_strings
-                   and getattr(a, "const", None) is not None and _same(a.const, value)]
-        named = (setters[0] if setters else action).option_strings
-        if isinstance(action, argparse.BooleanOptionalAction):  # --c / --no-c: the form that was written
-            named = [o for o in named if o.startswith("--no-") == (value is False)] or named
-        given.append(named[0])
+        if not _same(getattr(args, dest, getattr(baseline, dest, None)), getattr(baseline, dest, None)):
+            seen.add(dest)
+            given.append(action.option_strings[0])
     return given
