@@ -7,9 +7,11 @@ the iterations (``--higgs-dense-iters``), Adam's second moment frozen as that en
 (``--higgs-freeze-adam-variance``), then density from 1 to the target over the next third
 (``--higgs-density-warmup-iters``). Writes ``convergence.md`` (final validation loss, ratio
 to dense, bytes per step at the end and over the whole run) and ``convergence.png`` (the
-three validation-loss curves) into ``--out``.
+validation-loss curves) into ``--out``. ``--runs dense,ef`` leaves out the run without error
+feedback, which a long run on CPU may spare.
 
-    python scripts/bench_convergence.py [--train-iters 600] [--nproc 2] [--out runs/convergence]
+    python scripts/bench_convergence.py [--train-iters 600] [--nproc 2] [--runs dense,ef,no-ef]
+                                        [--out runs/convergence]
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ from higgs_megatron.benchmarks import (REPO, higgs_flags, markdown_table, run_pr
                                        validation_curve)
 
 
+RUNS = ("dense", "ef", "no-ef")
+
+
+def runs_list(value: str) -> list[str]:
+    runs = [r.strip() for r in value.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown or "dense" not in runs:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(RUNS)} that includes "
+                                         f"dense, got {value!r}")
+    return runs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train-iters", type=int, default=600)
@@ -31,6 +45,8 @@ def main() -> int:
     parser.add_argument("--dense-iters", type=int, default=None, help="default: a quarter of --train-iters")
     parser.add_argument("--density-warmup-iters", type=int, default=None, help="default: a third of --train-iters")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
+    parser.add_argument("--runs", default=",".join(RUNS), type=runs_list,
+                        help=f"comma-separated, from {', '.join(RUNS)} (dense is needed: the ratios are to it)")
     parser.add_argument("--reuse", action="store_true", help="tabulate the logs already in --out; train nothing")
     parser.add_argument("extra", nargs="*", help="more pretrain flags for every run, after -- (not --higgs-* "
                         "ones: the dense run refuses them; the compressed runs take --density and the schedule flags)")
@@ -41,12 +57,14 @@ def main() -> int:
               "--overlap-grad-reduce", "--ddp-bucket-size", "250000", *args.extra]
     higgs = higgs_flags(args.density, args.train_iters, args.dense_iters, args.density_warmup_iters)
     configurations = {
-        "megatron-ddp (dense)": common,
-        f"higgs top-k {args.density:g} + error feedback": common + higgs,
-        f"higgs top-k {args.density:g}, no error feedback": common + higgs + ["--no-higgs-error-feedback"],
+        "dense": ("megatron-ddp (dense)", common),
+        "ef": (f"higgs top-k {args.density:g} + error feedback", common + higgs),
+        "no-ef": (f"higgs top-k {args.density:g}, no error feedback", common + higgs + ["--no-higgs-error-feedback"]),
     }
     rows, curves = {}, {}
-    for i, (name, flags) in enumerate(configurations.items()):
+    for i, (key, (name, flags)) in enumerate(configurations.items()):
+        if key not in args.runs:
+            continue
         log = out / f"run{i}.jsonl"
         if not args.reuse:
             run_pretrain(flags, log, args.nproc, quiet=True)
