@@ -116,8 +116,9 @@ def _frozen_step(torch_optimizer: torch.optim.Optimizer, frozen: set[int]) -> No
         states = [torch_optimizer.state[p] for p in params]
         grads = [p.grad for p in params]
         exp_avgs = [s["exp_avg"] for s in states]
-        for s in states:
-            if int(s["step"]) == freeze_step:  # freezing now: zeros have no scale to keep
+        steps = [int(s["step"]) + 1 for s in states]  # this update's Adam step, read once
+        for s, step in zip(states, steps):
+            if step == freeze_step + 1:  # freezing now: zeros have no scale to keep
                 v = s["exp_avg_sq"]
                 v.masked_fill_(v == 0, v.mean())
             s["step"] += 1
@@ -130,8 +131,8 @@ def _frozen_step(torch_optimizer: torch.optim.Optimizer, frozen: set[int]) -> No
         updates = denominators  # m / (sqrt(v) + eps), in the denominators' memory
         torch._foreach_reciprocal_(updates)
         torch._foreach_mul_(updates, exp_avgs)
-        for p, s, update, norm in zip(params, states, updates, torch._foreach_norm(updates)):
-            bias_correction = 1 - beta1 ** int(s["step"])
+        for p, step, update, norm in zip(params, steps, updates, torch._foreach_norm(updates)):
+            bias_correction = 1 - beta1 ** step
             # u = m_hat / (sqrt(v_hat) + eps), scaled down to an RMS of MAX_UPDATE_RMS if above it
             over_cap = norm.div_(bias_correction * MAX_UPDATE_RMS * update.numel() ** 0.5).clamp_(min=1.0)
             p.add_(update.div_(over_cap), alpha=-lr / bias_correction)

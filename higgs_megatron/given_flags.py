@@ -27,7 +27,7 @@ def flags_given(args: argparse.Namespace, parser: argparse.ArgumentParser, skip:
         dest = action.dest
         if not action.option_strings or dest in seen:
             continue
+        seen.add(dest)
         if not _same(getattr(args, dest, getattr(baseline, dest, None)), getattr(baseline, dest, None)):
-            seen.add(dest)
             given.append(action.option_strings[0])
     return given
