@@ -7,6 +7,7 @@ the bytes each step handed to collectives against Megatron's dense all-reduce.
 """
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ SEQ, BATCH = 64, 4
 
 def main() -> None:
     on_cpu = not torch.cuda.is_available()
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before anything lands on GPU 0
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     with cpu_megatron() if on_cpu else contextlib.nullcontext():
         dist.init_process_group("gloo" if on_cpu else "nccl")
         parallel_state.initialize_model_parallel()
@@ -35,7 +39,7 @@ def main() -> None:
         config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, use_cpu_initialization=on_cpu,
                                    hidden_dropout=0.0, attention_dropout=0.0)
         gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
-                       max_sequence_length=SEQ)
+                       max_sequence_length=SEQ).to(device)
 
         # sync="sparse": on one host the links are fast and the default "auto" would stay dense
         higgs = HiggsConfig(compression_ratio=0.01, sync="sparse")                       # 1
@@ -44,13 +48,13 @@ def main() -> None:
         optimizer = wrap_optimizer(get_megatron_optimizer(OptimizerConfig(lr=3e-3), [model]), [model])  # 3
 
         text = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.long)
-        positions = torch.arange(SEQ).expand(BATCH, SEQ)
-        mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+        positions = torch.arange(SEQ, device=device).expand(BATCH, SEQ)
+        mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool, device=device).triu(1)
         generator = torch.Generator().manual_seed(dist.get_rank())
         for step in range(1, 31):
             starts = torch.randint(0, text.numel() - SEQ - 1, (BATCH,), generator=generator)
-            tokens = torch.stack([text[s:s + SEQ] for s in starts])
-            labels = torch.stack([text[s + 1:s + SEQ + 1] for s in starts])
+            tokens = torch.stack([text[s:s + SEQ] for s in starts]).to(device, non_blocking=True)
+            labels = torch.stack([text[s + 1:s + SEQ + 1] for s in starts]).to(device, non_blocking=True)
             model.zero_grad_buffer()
             optimizer.zero_grad()
             loss = model(tokens, positions, mask, labels=labels).float().mean()

@@ -46,12 +46,13 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
-from .compress.compressor import compress
+from .compress.compressor import compress_with_feedback
 from .compress.error_feedback import ResidualBuffer
 from .compress.plan import BucketPlan, ParamSlot
 from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
 from .cost_model import BucketShape, LinkCosts, cheapest, predict
+from .device import DeviceTimer
 from .reduce import hierarchical
 from .reduce.link_probe import measure_link_costs
 from .reduce.sparse_allreduce import PendingSparseReduce, launch_sparse_allreduce
@@ -97,27 +98,44 @@ class _Shared:
     stats: SyncStats = field(default_factory=SyncStats)
     trace: list[tuple[str, int]] | None = None
     check_nonfinite: bool = False
+    compress_timer: DeviceTimer = field(default_factory=DeviceTimer)
     sync_timeout: float | None = None  # seconds a wait for a sync may take before the step is marked
     sync_timed_out: str | None = None  # why this step's sync is not to be trusted
     nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical"
     costs: LinkCosts | None = None  # with sync="auto"
 
 
+class SyncAbandoned(RuntimeError):
+    """A gradient sync timed out on a backend that cannot be drained (NCCL aborts the
+    communicator); the job must restart from its latest committed checkpoint."""
+
+
 class _GroupHandle:
-    """What ``grad_reduce_handle`` holds: dense works and sparse gathers in flight."""
+    """What ``grad_reduce_handle`` holds: dense works and sparse gathers in flight.
+
+    What ``wait`` costs: without ``sync_timeout``, ``work.wait()`` on NCCL only makes the
+    current stream wait for the collective's end event (the host goes on: no host sync); on
+    gloo the host waits for the collective. With ``sync_timeout``, ``work.wait(timeout)``
+    makes the host wait on either backend: NCCL busy-waits until the work completes, and
+    when the timeout passes it *aborts the communicator* and raises (torch's
+    ``WorkNCCL::wait``), so an NCCL process group that timed out is unusable; gloo raises
+    and leaves the group usable once the collective has drained."""
 
     def __init__(self, dense_works: list[Any], sparse: list[PendingSparseReduce], average_over: int,
-                 on_done, shared: _Shared) -> None:
+                 on_done, shared: _Shared, backend: str) -> None:
         self.dense_works = dense_works
         self.sparse = sparse
         self.average_over = average_over
         self.on_done = on_done
         self.shared = shared
+        self.backend = backend
 
     def _wait(self, work) -> None:
         """``work.wait()``, but past ``sync_timeout`` the step is marked untrustworthy (the
-        progress alignment then drops it everywhere) and the wait goes on: the collective must
-        drain before its buffers are touched again."""
+        progress alignment then drops it everywhere). On gloo the wait goes on: the
+        collective must drain before its buffers are touched again. On NCCL torch has already
+        aborted the communicator, which cannot be drained: ``SyncAbandoned`` is raised, and
+        the pretrain script exits with the restart status."""
         shared = self.shared
         if shared.sync_timeout is None or shared.sync_timed_out is not None:
             work.wait()
@@ -130,6 +148,9 @@ class _GroupHandle:
                 raise
             shared.sync_timed_out = (f"rank {dist.get_rank()}: gradient sync did not complete within "
                                      f"{shared.sync_timeout:g}s")
+            if self.backend == "nccl":
+                raise SyncAbandoned(f"{shared.sync_timed_out}; NCCL aborted the data-parallel communicator, which "
+                                    "cannot be drained") from error
             work.wait()
             shared.sync_timed_out += f" (drained after {time.monotonic() - started:.1f}s)"
 
@@ -163,13 +184,13 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     higgs_plans: list[BucketPlan | None]
     higgs_residuals: list[ResidualBuffer | None]
     higgs_steps: int
-    higgs_saw_nonfinite: bool
+    higgs_nonfinite: torch.Tensor | None
 
     def _higgs_attach(self, shared: _Shared, index: int) -> None:
         self.higgs = shared
         self.higgs_index = index
         self.higgs_steps = 0
-        self.higgs_saw_nonfinite = False
+        self.higgs_nonfinite: torch.Tensor | None = None
         self.higgs_paths: dict[tuple[int, float], str] = {}
         config = shared.config
         nodes = shared.nodes
@@ -282,11 +303,12 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
         if shared.check_nonfinite:
-            # One summing pass: a NaN or inf anywhere makes the sum non-finite (a finite sum that
-            # overflows would only skip a step needlessly). torch.isfinite(...).all() costs 30x more
-            # on CPU (74 ms against 2.3 ms for 12.9M values).
-            self.higgs_saw_nonfinite = any(not bool(torch.isfinite(b.grad_data.sum(dtype=torch.float32)))
-                                           for b in self.buckets)
+            # A device flag, read once per step by the optimizer wrapper's decision (never here:
+            # a read would stall backward's launch queue). One summing pass per bucket: a NaN or
+            # inf anywhere makes the sum non-finite (a finite sum that overflows only skips a
+            # step needlessly); torch.isfinite(grad).all() costs far more on CPU.
+            sums = torch.stack([b.grad_data.sum(dtype=torch.float32) for b in self.buckets])
+            self.higgs_nonfinite = torch.isfinite(sums).all().logical_not()
 
         group = self._communication_group
         async_op = self.ddp_config.overlap_grad_reduce
@@ -304,31 +326,31 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if path == "hierarchical":
                 sparse.append(self._launch_hierarchical(idx, grad, density, stats, async_op))
                 continue
-            started = time.perf_counter()
-            if residual is not None:  # a hierarchical form's residual covers this rank's slice
-                lo, hi = self.higgs_slices[idx] or (0, grad.numel())
-                residual.accumulate(grad[lo:hi])
             if path == "dense":
-                if residual is not None:
+                if residual is not None:  # a hierarchical form's residual covers this rank's slice
+                    lo, hi = self.higgs_slices[idx] or (0, grad.numel())
+                    shared.compress_timer.start(grad.device)
+                    residual.accumulate(grad.narrow(0, lo, min(hi, grad.numel()) - lo))
                     residual.stage_all_sent()
-                stats.compress_seconds += time.perf_counter() - started
+                    shared.compress_timer.stop()
                 stats.bytes_sent += grad.numel() * grad.element_size()
                 stats.dense_buckets += 1
                 dense_works.append(self._launch_dense(idx, grad, reduce_op, group, async_op, force_all_reduce))
                 continue
             plan = self.higgs_plans[idx]
-            sparse_grad = compress(grad, plan, density, shared.selector, key=(self.higgs_index, idx))
-            if residual is not None:
-                residual.stage(grad, sparse_grad.sent)
-            stats.compress_seconds += time.perf_counter() - started
+            shared.compress_timer.start(grad.device)
+            sparse_grad = compress_with_feedback(grad, plan, density, shared.selector, residual,
+                                                 key=(self.higgs_index, idx))
+            shared.compress_timer.stop()
             stats.bytes_sent += plan.payload_bytes(density, grad.dtype)
             stats.sparse_buckets += 1
-            sparse.append(launch_sparse_allreduce(plan.always_positions, sparse_grad.always, sparse_grad.positions,
-                                                  sparse_grad.values, grad, group, async_op=async_op))
+            sparse.append(launch_sparse_allreduce(sparse_grad.always_positions, sparse_grad.always,
+                                                  sparse_grad.positions, sparse_grad.values, grad, group,
+                                                  async_op=async_op))
         self.higgs_steps += 1
         shared.stats.add(stats)
         handle = _GroupHandle(dense_works, sparse, dist.get_world_size(group) if average else 1,
-                              on_done=self._on_sync_done, shared=shared)
+                              on_done=self._on_sync_done, shared=shared, backend=dist.get_backend(group))
         if async_op:
             self.grad_reduce_handle = handle
         else:
@@ -340,18 +362,15 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
         work, piece = hierarchical.node_reduce_scatter(grad, nodes.intra)
-        started = time.perf_counter()
-        if residual is not None:
-            residual.accumulate(piece)
-        sparse_grad = compress(piece, plan, density, self.higgs.selector, key=(self.higgs_index, idx))
-        if residual is not None:
-            residual.stage(piece, sparse_grad.sent)
-        stats.compress_seconds += time.perf_counter() - started
+        self.higgs.compress_timer.start(grad.device)
+        sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
+                                             key=(self.higgs_index, idx))
+        self.higgs.compress_timer.stop()
         # Bytes handed to collectives: the node's reduce-scatter and all-gather, and the payload.
         node_bytes = 2 * (work.numel() - piece.numel()) * work.element_size()
         stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
         stats.sparse_buckets += 1
-        return hierarchical.launch(plan.always_positions, sparse_grad.always, sparse_grad.positions,
+        return hierarchical.launch(sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions,
                                    sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op)
 
     def _on_sync_done(self) -> None:
@@ -420,8 +439,11 @@ class HiggsDDP(DistributedDataParallel):
     # --- what the loop, the optimizer wrapper and the tests ask of it -----------------
 
     def take_stats(self) -> SyncStats:
-        """Bytes and compression time since the last call (call once per step)."""
+        """Bytes and compression time since the last call (call once per step). The time is
+        that of the compressions the device has finished: it never waits for the device, so
+        on a GPU a step's compression may be counted in the next call."""
         stats, self._higgs.stats = self._higgs.stats, SyncStats(density=self._higgs.stats.density)
+        stats.compress_seconds = self._higgs.compress_timer.seconds()
         return stats
 
     def trace_sync_order(self, enabled: bool = True) -> list[tuple[str, int]] | None:
@@ -431,7 +453,8 @@ class HiggsDDP(DistributedDataParallel):
 
     def set_sync_timeout(self, seconds: float | None) -> None:
         """Mark a step whose sync waits take longer than ``seconds`` (see ``take_sync_timeout``).
-        Gloo honours the timeout; NCCL's own watchdog governs its collectives."""
+        Bounded waits block the host on both backends (see ``_GroupHandle``); on NCCL a wait
+        that runs out raises ``SyncAbandoned``."""
         self._higgs.sync_timeout = seconds
 
     def take_sync_timeout(self) -> str | None:
@@ -442,9 +465,13 @@ class HiggsDDP(DistributedDataParallel):
     def track_nonfinite(self, enabled: bool = True) -> None:
         self._higgs.check_nonfinite = enabled
 
-    def saw_nonfinite(self) -> bool:
-        """Whether this rank's local gradients had a NaN/inf in the last sync."""
-        return any(g.higgs_saw_nonfinite for g in self.bucket_groups)
+    def nonfinite_flag(self) -> torch.Tensor:
+        """A device bool: whether this rank's local gradients held a NaN/inf in the last sync.
+        Not read here: the caller folds it into its one decision per step."""
+        flags = [g.higgs_nonfinite for g in self.bucket_groups if g.higgs_nonfinite is not None]
+        if not flags:
+            return torch.zeros((), dtype=torch.bool, device=self.bucket_groups[0].buckets[0].grad_data.device)
+        return torch.stack(flags).any()
 
     def rollback_residuals(self) -> None:
         """Forget the residuals staged by the last sync (the step was skipped everywhere)."""

@@ -11,8 +11,8 @@
 * **A frozen second moment**, with ``freeze_adam_variance``: from the end of the dense stage
   (``dense_iters`` Adam steps) every torch AdamW inside takes ``frozen_variance``'s update.
 * **Skipping a step together.** Before stepping, every rank contributes whether its local
-  gradients held a NaN/inf (HiggsDDP records it during the sync) to a MAX all-reduce over
-  the default group. If any rank saw one, every rank skips: no optimizer update, gradients
+  gradients held a NaN/inf (HiggsDDP records it during the sync, as a device flag) to a MAX
+  all-reduce over the default group, read once. If any rank saw one, every rank skips: no optimizer update, gradients
   zeroed, the residuals staged by this step rolled back, and ``step()`` returns
   ``(False, None, None)`` everywhere (a partial skip would hang the distributed
   optimizer's parameter all-gather). ``on_skip`` callbacks hear of it.
@@ -70,10 +70,12 @@ class HiggsOptimizer(MegatronOptimizer):
                             lambda self, value: setattr(self.inner, "param_groups", value))
 
     def _any_rank_nonfinite(self) -> bool:
-        local = any(chunk.saw_nonfinite() for chunk in self.model_chunks)
-        flag = torch.tensor([1.0 if local else 0.0])
-        if torch.cuda.is_available() and dist.get_backend() == "nccl":
-            flag = flag.cuda()
+        """The step's one decision: each chunk's device flag, folded on the device, MAX-reduced
+        over the default group on the gradients' device, and read once (the only read of the
+        step's gradient path: Megatron's own step reads its grad norm right after)."""
+        if not self.model_chunks:
+            return False
+        flag = torch.stack([chunk.nonfinite_flag() for chunk in self.model_chunks]).any().float().reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 

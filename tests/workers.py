@@ -85,14 +85,14 @@ def staged_sync(variants: dict[str, list[str]]) -> dict:
 def sparse_sync_invariants(argv: list[str]) -> dict:
     """Train at low density, recording each compression and the sync order; check per rank
     that sent + residual == accumulated gradient, and report params, bytes and the trace."""
-    import higgs_megatron.ddp as higgs_ddp
+    import higgs_megatron.compress.compressor as compressor
     import megatron.core.pipeline_parallel.schedules as schedules
     from higgs_megatron.training.arguments import parse_args
     from higgs_megatron.training.loop import Trainer, training_environment
 
     args = parse_args(argv)
     records = []
-    original_compress, original_backward = higgs_ddp.compress, schedules.backward_step
+    original_compress, original_backward = compressor.compress, schedules.backward_step
 
     def recording_compress(acc, plan, density, selector, key=None):
         accumulated = acc.clone()
@@ -116,12 +116,12 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
             trace.append(("step", trainer.iteration + 1))
             return original_step()
 
-        higgs_ddp.compress, schedules.backward_step = recording_compress, traced_backward
+        compressor.compress, schedules.backward_step = recording_compress, traced_backward
         trainer.train_step = traced_step
         try:
             trainer.train()
         finally:
-            higgs_ddp.compress, schedules.backward_step = original_compress, original_backward
+            compressor.compress, schedules.backward_step = original_compress, original_backward
         # sent + residual == accumulated, for the last step's buckets
         last = {}
         for key, accumulated, sparse, plan, density in records:
@@ -397,3 +397,53 @@ def auto_sync_choices(variants: dict[str, list[str]]) -> dict:
             trainer.close()
     return out
 
+
+
+def host_syncs_in_gradient_path(argv: list[str]) -> dict:
+    """Train with ``argv``, auditing host synchronisations made by higgs_megatron's code in
+    the gradient path: ``start_grad_sync`` and ``finish_grad_sync`` of every bucket group
+    (selection, error feedback, the collectives' launch, their waits and decompression) and
+    the non-finite flags the optimizer wrapper folds into its one decision. Returns the calls
+    by site.
+
+    The audit is entered and left inside each audited call: backward hooks run with torch's
+    function-mode stack emptied (``torch.autograd.backward`` is itself a torch function), so a
+    mode entered around the whole step would not see them."""
+    from higgs_megatron.ddp import HiggsBucketGroup, HiggsDDP
+    from higgs_megatron.host_sync import HostSyncAudit
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    args = parse_args(argv)
+    audit = HostSyncAudit("higgs_megatron")
+    counts = {"depth": 0, "start_grad_sync": 0, "finish_grad_sync": 0, "nonfinite_flag": 0}
+    audited = [(HiggsBucketGroup, "start_grad_sync"), (HiggsBucketGroup, "finish_grad_sync"),
+               (HiggsDDP, "nonfinite_flag")]
+    originals = {(owner, name): getattr(owner, name) for owner, name in audited}
+
+    def audited_call(name, original):
+        def call(self, *a, **k):
+            counts[name] += 1
+            counts["depth"] += 1
+            if counts["depth"] == 1:
+                audit.__enter__()
+            try:
+                return original(self, *a, **k)
+            finally:
+                counts["depth"] -= 1
+                if counts["depth"] == 0:
+                    audit.__exit__(None, None, None)
+        return call
+
+    for (owner, name), original in originals.items():
+        setattr(owner, name, audited_call(name, original))
+    try:
+        with training_environment(args):
+            trainer = Trainer(args)
+            trainer.train()
+            trainer.close()
+    finally:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+    counts.pop("depth")
+    return {"calls": dict(audit.calls), **counts}

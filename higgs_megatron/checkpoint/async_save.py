@@ -6,14 +6,16 @@ Protocol (every rank, the same calls at the same iterations):
    save.py's step 1 (the ``.tmp`` directory), the sharded state dict, and megatron-core's save
    planning (in full for a run's first save; later saves reuse its validated plan, as
    Megatron-LM's ``--ckpt-assume-constant-structure``).
-2. A writer **thread** makes the **host copy** (every tensor to be written copied to private
-   host memory: a device-to-host copy on GPUs, a clone on CPU), then writes this rank's files
-   from those copies and hashes them. The copy runs while the next forward and backward do,
-   since they change no saved tensor in place: parameters and optimizer state change only
-   in the optimizer step, and HiggsDDP's error-feedback residual of this step is read, not
-   written, by the next one (the step after writes the other buffer). So the loop calls
-   ``before_update`` before its next optimizer step (or before the memory manager moves
-   state), which returns at once when the copy is done and otherwise waits for it. A
+2. A writer **thread** makes the **host copy** (``device.HostCopy``: every tensor to be
+   written copied to private host memory: into pinned buffers on a side stream on GPUs,
+   ordered after an event the loop recorded when the save started; a clone on CPU), then
+   writes this rank's files from those copies and hashes them. The copy runs while the next
+   forward and backward do, since they change no saved tensor in place: parameters and
+   optimizer state change only in the optimizer step, and HiggsDDP's error-feedback residual
+   of this step is read, not written, by the next one (the step after writes the other
+   buffer). So the loop calls ``before_update`` before its next optimizer step (or before the
+   memory manager moves state): the host waits until the copy is issued, and the device's
+   next work waits on the copy's event, never on a device-wide synchronize. A
    thread, not megatron-core's forked process: a fork shares the training state
    copy-on-write, and every page the next steps update is then copied by a page fault, which
    on CPU cost the overlapped steps more than the whole synchronous save. The writer does no
@@ -46,6 +48,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import (FileSy
                                                                            _get_write_results_queue)
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from ..device import HostCopy, request_event
 from .manifest import CheckpointError
 from .save import (SaveResult, _begin, _commit, _first_line, _Snapshot, common_files, crc32_skipped, hash_files,
                    shard_files)
@@ -100,17 +103,24 @@ class _ThreadCallsQueue(AsyncCallsQueue):
         return _ThreadCaller()
 
 
-def _host_copies(write_buckets: list, live: set[int]) -> list:
-    """The write plan with every tensor that is still the training state's own memory copied:
-    megatron-core clones only CPU views, and moves device tensors to host."""
-    copied = []
-    for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
-        tensor_data = [(item, tensor.to("cpu", copy=True) if not tensor.is_cpu or tensor.data_ptr() in live
-                        else tensor) for item, tensor in tensor_data]
-        copied.append((file_name, storage_key, (bytes_data, tensor_data)))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return copied
+def _host_copies(write_buckets: list, live: set[int], requested, device: int | None) -> tuple[HostCopy, list]:
+    """Issue the host copy of the write plan: every tensor that is still the training state's
+    own memory (device tensors, and host tensors in ``live``; megatron-core already cloned the
+    rest). Returns the copy in flight and a function giving the plan over the host copies."""
+    tensors = [tensor for _, _, (_, tensor_data) in write_buckets for _, tensor in tensor_data
+               if not tensor.is_cpu or tensor.data_ptr() in live]
+    copy = HostCopy(tensors, requested=requested, device=device)
+
+    def copied_plan() -> list:
+        copies = iter(copy.host_ready())
+        plan = []
+        for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+            tensor_data = [(item, next(copies) if not tensor.is_cpu or tensor.data_ptr() in live else tensor)
+                           for item, tensor in tensor_data]
+            plan.append((file_name, storage_key, (bytes_data, tensor_data)))
+        return plan
+
+    return copy, copied_plan
 
 
 class AsyncCheckpointer:
@@ -126,6 +136,7 @@ class AsyncCheckpointer:
         self._committed: list[SaveResult] = []
         self._copied = threading.Event()
         self._copied.set()
+        self._host_copy: HostCopy | None = None
 
     def start(self, trainer, save_dir: str | Path, keep_last: int | None = None) -> None:
         """Begin a save. The previous one must be finished first (``wait``): its commit is
@@ -148,7 +159,9 @@ class AsyncCheckpointer:
             device = torch.cuda.current_device() if torch.cuda.is_available() else None
             request = request._replace(
                 async_fn=partial(self._write_and_hash, write.args[0], snapshot.tmp),
-                preload_fn=partial(self._copy_on_writer_thread, request.async_fn_args[1], live, device))
+                preload_fn=partial(self._copy_on_writer_thread, request.async_fn_args[1], live, request_event(),
+                                   device))
+            self._host_copy = None
             self._copied.clear()
         request.add_finalize_fn(partial(self._finalize, snapshot, shards))
         try:
@@ -158,18 +171,28 @@ class AsyncCheckpointer:
             raise
         self.pending = snapshot
 
-    def _copy_on_writer_thread(self, write_buckets: list, live: set[int], device: int | None) -> list:
+    def _copy_on_writer_thread(self, write_buckets: list, live: set[int], requested, device: int | None) -> list:
+        """The writer thread: issue the host copy (on a side stream, after ``requested``: the
+        state as it was when the save started), let ``before_update`` order the next step after
+        it, then wait for the bytes and hand megatron-core's writer the plan over them."""
         try:
             if device is not None:
                 torch.cuda.set_device(device)  # the current device is per thread; this rank's, not GPU 0
-            return _host_copies(write_buckets, live)
+            self._host_copy, copied_plan = _host_copies(write_buckets, live, requested, device)
         finally:
             self._copied.set()
+        return copied_plan()
 
     def before_update(self) -> None:
-        """Return once the save in flight has its host copy (at once when there is none):
-        call before the optimizer step, or anything else that changes saved tensors in place."""
+        """Order what comes next after the host copy of the save in flight: call before the
+        optimizer step, or anything else that changes saved tensors in place. The host waits
+        only until the writer thread has issued the copy; the device work that follows waits
+        for the copy itself (an event, not a device-wide synchronize). At once when no save is
+        in flight. On a CPU the copy is done when issued."""
         self._copied.wait()
+        if self._host_copy is not None:
+            self._host_copy.order_before()
+            self._host_copy = None
 
     def _write_and_hash(self, transform_list, directory: Path, rank: int, write_buckets: list,
                         results_queue) -> None:

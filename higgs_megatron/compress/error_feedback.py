@@ -1,8 +1,10 @@
 """Error feedback: what a rank did not send this step is added to its next step's gradient.
 
 Per bucket, per step:  ``acc = grad + residual``;  send ``acc`` at the selected positions;
-``residual' = acc`` with those positions zeroed. So ``sent + residual' == acc`` exactly (no
-arithmetic touches the values), which is what keeps top-k converging (Stich et al. 2018).
+``residual' = acc - sent``: zero at every position sent (``x - x`` is exactly 0), ``acc``
+elsewhere. So ``sent + residual' == acc`` exactly, which is what keeps top-k converging
+(Stich et al. 2018). The subtraction is written as an ``index_add_`` of the sent values:
+padding slots carry 0 and add nothing, so the payload's shape never depends on the data.
 
 The new residual is *staged*, not committed: if every rank then agrees to skip the step
 (non-finite gradients somewhere, or an abandoned sync), ``rollback()`` drops it and the
@@ -58,12 +60,14 @@ class ResidualBuffer:
         ``grad`` may be shorter than the buffer when the buffer's tail is padding (always 0)."""
         self.commit()
         if not self.committed_zero:
-            grad.add_(self.committed[:grad.numel()])
+            grad.add_(self.committed.narrow(0, 0, grad.numel()))
 
-    def stage(self, acc: torch.Tensor, sent_positions: torch.Tensor) -> None:
-        """Residual after sending ``acc`` at ``sent_positions``."""
+    def stage(self, acc: torch.Tensor, sent) -> None:
+        """Residual after sending ``sent`` (a ``compressor.SparseGrad``) out of ``acc``."""
         self.staged.copy_(acc)
-        self.staged[sent_positions] = 0
+        if sent.always.numel():
+            self.staged.index_add_(0, sent.always_positions, sent.always, alpha=-1)
+        self.staged.index_add_(0, sent.positions, sent.values, alpha=-1)
         self.staged_zero = False
         self.has_staged = True
 

@@ -1,42 +1,88 @@
 """Choosing which gradient coordinates to send: exact top-k and a sampled-threshold top-k.
 
 Both take the magnitudes of the accumulated gradient (``|grad + residual|``) and a fixed
-``k`` and return exactly ``k`` int64 positions plus how many of them are real selections:
-every data-parallel peer must hand the collective a payload of the same size, so when a
-selector finds fewer than ``k`` coordinates it pads (``positions[valid:]`` repeat a real
-position and carry value 0).
+``k`` and return a ``Selection``: exactly ``k`` int64 positions, and which of them are real.
+Every data-parallel peer must hand the collective a payload of the same size, so a selector
+that finds fewer than ``k`` coordinates pads: a padding slot holds some position of the
+tensor and must carry value 0 (``Selection.valid`` is False there).
+
+Neither selector synchronises the host with the device: every shape is a function of ``n``
+and ``k`` only, the threshold stays a device tensor, and nothing is read back (no
+``.item()``, no ``torch.nonzero``, no boolean-mask indexing). On a GPU this is what keeps
+the selection inside a backward hook from stalling the launch queue. Indexing is written as
+``narrow`` / ``index_select`` rather than ``t[...]``: the same kernels, and the form that
+torch's fake CUDA tensors accept on a CPU-only build, where the device tests run.
 
 * ``TopK``: ``torch.topk``; the reference, and slow on large tensors.
-* ``SampledTopK`` (DGC, Lin et al. 2018): estimate the k-th largest magnitude from a random
-  sample, keep everything above a slightly lower threshold (one pass), then take the exact
-  top-k among those candidates. Whenever the candidates number at least ``k`` the result is
-  the exact top-k (the threshold is then below the k-th largest magnitude, so every top-k
-  coordinate is a candidate); otherwise the shortfall is the selection error, counted in
-  ``SelectionStats``. The threshold found is reused as the starting point of the next call
-  for the same bucket, which halves the work on steady gradients.
+* ``SampledTopK`` (DGC, Lin et al. 2018): estimate the k-th largest magnitude from a sample,
+  keep the coordinates above a slightly lower threshold (one pass), then take the exact top-k
+  among those candidates. The candidates are gathered into a fixed number of slots
+  (``capacity``, a few times ``k``) without ``nonzero``: a running count of the coordinates
+  above the threshold (``cumsum``) is searched for the 1st, 2nd, ... of them
+  (``searchsorted``). Whenever at least ``k`` and at most ``capacity`` coordinates pass, the
+  result is the exact top-k; fewer than ``k`` leaves padding (the selection's shortfall);
+  more than ``capacity`` and the slots take an even subsample of them (``overflow``), whose
+  top-k is close to but not the exact one. ``SelectionStats`` counts both, on the device.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import torch
 
+# A prime larger than any bucket: i -> (i * prime + offset) mod n visits distinct coordinates
+# spread over the whole tensor (a strided sample would alias with a matrix's row length).
+_SAMPLE_PRIME = 2_654_435_761
+
 
 @dataclass
-class SelectionStats:
-    """How the selector did: calls, calls short of k, and the coordinates it missed."""
+class Selection:
+    positions: torch.Tensor  # int64 [k]
+    valid: torch.Tensor | None = None  # bool [k], False at padding slots; None: all real
 
-    calls: int = 0
-    short_calls: int = 0
-    missed: int = 0
-    selected: int = 0
+
+class SelectionStats:
+    """How the selector did: calls, coordinates asked for, and (device counts, summed without
+    being read back) the coordinates it missed, the calls short of k, the calls that overflowed.
+    Reading ``missed``, ``short_calls``, ``overflow_calls`` or ``shortfall`` synchronises: do
+    it at a log line or in a benchmark, not per bucket."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.requested = 0
+        self._counts: torch.Tensor | None = None  # [missed, short calls, overflowed calls]
+
+    def record(self, k: int, valid: torch.Tensor | None = None, overflow: torch.Tensor | None = None) -> None:
+        self.calls += 1
+        self.requested += k
+        if valid is None:  # an exact selection finds all k
+            return
+        missed = k - valid.sum()
+        counts = torch.stack([missed, (missed > 0).long(), overflow.long()])
+        self._counts = counts if self._counts is None else self._counts + counts
+
+    def _read(self, index: int) -> int:
+        return 0 if self._counts is None else int(self._counts[index].item())
+
+    @property
+    def missed(self) -> int:
+        return self._read(0)
+
+    @property
+    def short_calls(self) -> int:
+        return self._read(1)
+
+    @property
+    def overflow_calls(self) -> int:
+        return self._read(2)
 
     @property
     def shortfall(self) -> float:
         """Fraction of the requested coordinates not found (0 for exact top-k)."""
-        return self.missed / max(1, self.selected + self.missed)
+        return self.missed / max(1, self.requested)
 
 
 class Selector:
@@ -45,81 +91,65 @@ class Selector:
     def __init__(self) -> None:
         self.stats = SelectionStats()
 
-    def select(self, magnitudes: torch.Tensor, k: int, key: object = None) -> tuple[torch.Tensor, int]:
-        """Return (positions[k] int64, number of real selections). ``key`` names the bucket."""
+    def select(self, magnitudes: torch.Tensor, k: int, key: object = None) -> Selection:
+        """Exactly ``k`` positions of ``magnitudes`` (1-D); ``key`` names the bucket's unit."""
         raise NotImplementedError
-
-    def _record(self, k: int, valid: int) -> None:
-        self.stats.calls += 1
-        self.stats.selected += valid
-        if valid < k:
-            self.stats.short_calls += 1
-            self.stats.missed += k - valid
 
 
 class TopK(Selector):
     name = "topk"
 
-    def select(self, magnitudes: torch.Tensor, k: int, key: object = None) -> tuple[torch.Tensor, int]:
-        positions = torch.topk(magnitudes, k, sorted=False).indices
-        self._record(k, k)
-        return positions, k
-
-
-def _pad(positions: torch.Tensor, k: int) -> torch.Tensor:
-    if positions.numel() >= k:
-        return positions[:k]
-    filler = positions[:1] if positions.numel() else torch.zeros(1, dtype=torch.long, device=positions.device)
-    return torch.cat([positions, filler.expand(k - positions.numel())])
+    def select(self, magnitudes: torch.Tensor, k: int, key: object = None) -> Selection:
+        self.stats.record(k)
+        return Selection(torch.topk(magnitudes, k, sorted=False).indices)
 
 
 class SampledTopK(Selector):
     name = "sampled-topk"
 
-    def __init__(self, sample_fraction: float = 0.01, min_sample: int = 1024, oversample: float = 1.3,
-                 seed: int = 0) -> None:
+    def __init__(self, sample_fraction: float = 0.01, min_sample: int = 1024, oversample: float = 2.0,
+                 capacity: float = 2.0, seed: int = 0) -> None:
+        """``oversample``: the threshold aims at ``oversample * k`` candidates; ``capacity``:
+        slots for ``capacity * oversample * k`` of them. ``seed`` seeds the host generator that
+        places the sample (a different one per rank is fine: selection is per rank)."""
         super().__init__()
         self.sample_fraction = sample_fraction
         self.min_sample = min_sample
         self.oversample = oversample
-        self.generator = torch.Generator().manual_seed(seed)
-        self.thresholds: dict[object, float] = {}
+        self.capacity = capacity
+        self.offsets = random.Random(seed)
 
-    def _estimate_threshold(self, magnitudes: torch.Tensor, k: int) -> float:
+    def _threshold(self, magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+        """The estimated ``oversample * k``-th largest magnitude (a 0-d device tensor)."""
         n = magnitudes.numel()
         size = min(n, max(self.min_sample, int(n * self.sample_fraction)))
-        sample_at = torch.randint(0, n, (size,), generator=self.generator).to(magnitudes.device)
-        sample = magnitudes[sample_at]
+        sample_at = (torch.arange(size, device=magnitudes.device) * _SAMPLE_PRIME + self.offsets.randrange(n)) % n
         rank = min(size, max(1, math.ceil(size * self.oversample * k / n)))
-        return torch.topk(sample, rank, sorted=False).values.min().item()
+        return torch.topk(magnitudes.index_select(0, sample_at), rank, sorted=False).values.min()
 
-    def select(self, magnitudes: torch.Tensor, k: int, key: object = None) -> tuple[torch.Tensor, int]:
+    def select(self, magnitudes: torch.Tensor, k: int, key: object = None) -> Selection:
         n = magnitudes.numel()
         if k * 4 >= n:  # sampling does not pay when most coordinates are sent
-            positions = torch.topk(magnitudes, k, sorted=False).indices
-            self._record(k, k)
-            return positions, k
-        threshold = self.thresholds.get(key)
-        candidates = None
-        if threshold is not None:
-            candidates = torch.nonzero(magnitudes >= threshold).squeeze(1)
-            # Reuse only while the last threshold still yields a modest surplus.
-            if not (k <= candidates.numel() <= 2 * self.oversample * k):
-                candidates = None
-        if candidates is None:
-            threshold = self._estimate_threshold(magnitudes, k)
-            candidates = torch.nonzero(magnitudes >= threshold).squeeze(1)
-        if candidates.numel() > k:
-            best = torch.topk(magnitudes[candidates], k, sorted=False).indices
-            positions = candidates[best]
-            # Next time start from the k-th largest magnitude scaled down a little.
-            self.thresholds[key] = magnitudes[positions].min().item() / self.oversample
-        else:
-            positions = candidates
-            self.thresholds[key] = threshold / self.oversample
-        valid = min(k, positions.numel())
-        self._record(k, valid)
-        return _pad(positions, k), valid
+            self.stats.record(k)
+            return Selection(torch.topk(magnitudes, k, sorted=False).indices)
+        capacity = min(n, math.ceil(self.capacity * self.oversample * k))
+        # Zeros never pass (sending one changes nothing): a gradient with fewer than k nonzero
+        # coordinates sends all of them and pads, instead of overflowing with zeros.
+        threshold = self._threshold(magnitudes, k).clamp(min=torch.finfo(magnitudes.dtype).tiny)
+        above = torch.cumsum(magnitudes >= threshold, 0, dtype=torch.int32)
+        found = above.narrow(0, n - 1, 1)
+        # Slot j takes the ceil(j * stride)-th coordinate above the threshold: each of them while
+        # they fit, an even subsample when there are more (float64: exact for any bucket size).
+        stride = (found.double() / capacity).clamp_(min=1.0)
+        wanted = (torch.arange(1, capacity + 1, device=magnitudes.device, dtype=torch.float64) * stride).ceil_()
+        wanted = wanted.to(torch.int32)
+        candidates = torch.searchsorted(above, wanted).clamp_(max=n - 1)
+        real = wanted <= found
+        scores = torch.where(real, magnitudes.index_select(0, candidates), -1.0)
+        best = torch.topk(scores, k, sorted=False).indices
+        valid = real.index_select(0, best)
+        self.stats.record(k, valid, overflow=found.squeeze(0) > capacity)
+        return Selection(candidates.index_select(0, best), valid)
 
 
 def make_selector(name: str, seed: int = 0) -> Selector:

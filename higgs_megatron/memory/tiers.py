@@ -9,6 +9,15 @@ valid).
   (pinned host memory cannot be reclaimed by the OS, so it is capped; beyond the cap, and
   with ``pin_memory=False``, copies are pageable). On a CPU-only machine the device *is*
   the host, and the copy only moves the bytes.
+
+  Stream order: both copies are ``non_blocking`` on the current stream, so with pinned
+  memory neither makes the host wait. Sending queues the device-to-host copy, then frees the
+  device storage: the caching allocator hands that memory only to work queued later on the
+  same stream, which runs after the copy. Bringing back queues the host-to-device copy ahead
+  of the optimizer step's kernels on the same stream, which therefore read the returned
+  state; torch's pinned-memory allocator keeps the host buffer until its copy has run. State
+  comes back when the step is launched, not earlier: bringing it back during backward would
+  hold the memory while activations peak, which is what offloading is for.
 * ``FileTier`` ("nvme"): the raw bytes written to ``<directory>/<name>.bin`` (through the
   page cache; the file is fsynced so the bytes are on the disk), read back with
   ``numpy.fromfile``; the file is removed once the tensor is back, and ``close()`` removes
@@ -52,7 +61,7 @@ class HostTier:
         nbytes = tensor.numel() * tensor.element_size()
         pin = self.pin_memory and (self.pin_limit_bytes is None or self.pinned_bytes + nbytes <= self.pin_limit_bytes)
         host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-        host.copy_(tensor)
+        host.copy_(tensor, non_blocking=pin)
         self.pinned_bytes += nbytes if pin else 0
         away = Away(name, tensor.shape, tensor.dtype, tensor.device, nbytes, host=host)
         _free(tensor)
@@ -60,7 +69,8 @@ class HostTier:
 
     def bring(self, away: Away, tensor: torch.Tensor) -> None:
         assert away.host is not None
-        tensor.data = away.host.to(away.device, copy=True) if away.device.type != "cpu" else away.host
+        tensor.data = (away.host.to(away.device, non_blocking=away.host.is_pinned())
+                       if away.device.type != "cpu" else away.host)
         if away.host.is_pinned():
             self.pinned_bytes -= away.nbytes
         away.host = None
@@ -78,7 +88,7 @@ class FileTier:
 
     def send(self, name: str, tensor: torch.Tensor) -> Away:
         path = self.directory / f"{name}.bin"
-        host = tensor.detach().to("cpu").contiguous()
+        host = tensor.detach().to("cpu").contiguous()  # the file needs the bytes: the host waits here
         raw = host.reshape(-1).view(torch.uint8)
         try:
             with open(path, "wb") as f:

@@ -33,7 +33,7 @@ def node_reduce_scatter(grad: torch.Tensor, intra: dist.ProcessGroup) -> tuple[t
     size = -(-grad.numel() // ranks)
     work = grad if size * ranks == grad.numel() else torch.cat(
         [grad, torch.zeros(size * ranks - grad.numel(), dtype=grad.dtype, device=grad.device)])
-    piece = work.view(ranks, size)[dist.get_rank(intra)]
+    piece = work.view(ranks, size).select(0, dist.get_rank(intra))
     dist.reduce_scatter_tensor(piece, work, group=intra)
     return work, piece
 
@@ -52,7 +52,7 @@ class PendingHierarchical:
         self.sparse.finish()  # the slice now holds the sum over all nodes
         dist.all_gather_into_tensor(self.work, self.piece, group=self.intra)
         if self.work.data_ptr() != self.target.data_ptr():
-            self.target.copy_(self.work[:self.target.numel()])
+            self.target.copy_(self.work.narrow(0, 0, self.target.numel()))
 
 
 def launch(always_positions: torch.Tensor, always: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,

@@ -4,7 +4,8 @@ the time to compress.
 Protocol (collective over the data-parallel group; every rank calls it with the same
 arguments): for each collective the sparse or dense paths would use, a barrier on its group
 then the collective, timed, at two sizes (``SMALL`` and ``LARGE`` bytes per rank), one
-warm-up and the median of ``REPEATS``; compression is timed locally on the largest bucket's
+warm-up and the median of ``REPEATS`` (on CUDA each timing ends with a device synchronize:
+a collective returns once queued, not once done; this is start-up, not a step); compression is timed locally on the largest bucket's
 plan. All timings are then all-reduced with MAX over the data-parallel group, so every rank
 fits the same lines and the cost model makes the same choice everywhere (the slowest rank
 sets the pace of a collective anyway). The probe moves a few tens of MB at most and takes
@@ -20,7 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..compress.compressor import compress
+from ..compress.compressor import compress_with_feedback
 from ..compress.error_feedback import ResidualBuffer
 from ..compress.plan import BucketPlan
 from ..compress.selection import make_selector
@@ -32,13 +33,22 @@ LARGE = 4 * 1024 * 1024
 REPEATS = 3
 
 
-def _timed(run: Callable[[], None], group: dist.ProcessGroup) -> float:
+def _finished(device: torch.device) -> None:
+    """Wait for the device: on CUDA a collective (and a kernel) returns once queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(run: Callable[[], None], group: dist.ProcessGroup, device: torch.device) -> float:
     run()  # warm-up: connections, buffers
+    _finished(device)
     times = []
     for _ in range(REPEATS):
         dist.barrier(group=group)
+        _finished(device)
         started = time.perf_counter()
         run()
+        _finished(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -67,21 +77,19 @@ def _compress_seconds_per_element(plan: BucketPlan | None, density: float, compr
         return 0.0
     selector = make_selector(compressor, seed=0)  # a fresh one: the real selectors' state is untouched
     generator = torch.Generator().manual_seed(0)
-    grad = torch.randn(plan.numel, generator=generator).to(device)
+    grad = torch.randn(plan.numel, generator=generator).to(device)  # at start-up, not in a step
     residual = ResidualBuffer(plan.numel, grad.dtype, device) if error_feedback else None
 
     def once() -> None:
-        if residual is not None:
-            residual.accumulate(grad)
-        sparse = compress(grad, plan, density, selector, key="link_probe")
-        if residual is not None:
-            residual.stage(grad, sparse.sent)
+        compress_with_feedback(grad, plan, density, selector, residual, key="link_probe")
 
     once()
+    _finished(device)
     times = []
     for _ in range(REPEATS):
         started = time.perf_counter()
         once()
+        _finished(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times) / plan.numel
 
@@ -104,7 +112,7 @@ def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, di
         if hierarchy:
             probes += [("node_scatter", "reduce_scatter", nodes.intra), ("cross_gather", "all_gather", nodes.inter),
                        ("node_gather", "all_gather", nodes.intra)]
-    timings = [_timed(_collective(kind, size, group, device), group)
+    timings = [_timed(_collective(kind, size, group, device), group, device)
                for _, kind, group in probes for size in (SMALL, LARGE)]
     timings.append(_compress_seconds_per_element(largest_plan, density, compressor, error_feedback, device))
     agreed = torch.tensor(timings, dtype=torch.float64, device=device)

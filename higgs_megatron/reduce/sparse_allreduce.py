@@ -39,7 +39,8 @@ def unpack(buffer: torch.Tensor, n_always: int, k: int, dtype: torch.dtype):
     """(always values, int32 positions, selected values) from one peer's payload."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     p, a = 4 * k, 4 * k + n_always * itemsize
-    return buffer[p:a].view(dtype), buffer[:p].view(torch.int32), buffer[a:a + k * itemsize].view(dtype)
+    return (buffer.narrow(0, p, a - p).view(dtype), buffer.narrow(0, 0, p).view(torch.int32),
+            buffer.narrow(0, a, k * itemsize).view(dtype))
 
 
 def _plain_wait(work) -> None:
@@ -68,7 +69,7 @@ class PendingSparseReduce:
         per_peer = self.gathered.view(self.world, -1)
         self.target.zero_()
         for peer in range(self.world):
-            always, positions, values = unpack(per_peer[peer], self.always_positions.numel(), self.k,
+            always, positions, values = unpack(per_peer.select(0, peer), self.always_positions.numel(), self.k,
                                                self.target.dtype)
             if always.numel():
                 self.target.index_add_(0, self.always_positions, always)

@@ -23,6 +23,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from ..device import pin_batch
 from .corpus import ByteTokenizer, Corpus
 
 Batch = dict[str, torch.Tensor]
@@ -71,8 +72,10 @@ def microbatch_indices(consumed_samples: int, micro_batch_size: int, dp_rank: in
 
 
 def collate(dataset: GPTDataset, indices: list[int]) -> Batch:
+    """One micro-batch on the host, pinned where CUDA exists (the forward step moves it to
+    the model's device)."""
     samples = [dataset[i] for i in indices]
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    return pin_batch({key: torch.stack([s[key] for s in samples]) for key in samples[0]})
 
 
 def iteration_batches(dataset: GPTDataset, consumed_samples: int, micro_batch_size: int,

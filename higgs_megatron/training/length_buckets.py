@@ -39,6 +39,7 @@ import torch
 
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
+from ..device import pin_batch
 from .corpus import ByteTokenizer
 from .data import Batch, microbatch_indices
 
@@ -126,13 +127,13 @@ class LengthBuckets:
             tokens[row, :n] = torch.from_numpy(
                 self._documents.get(int(self.doc[chunk]), offset=int(self.offset[chunk]), length=n).astype(numpy.int64))
             loss_mask[row, :n - 1] = 1.0
-        return {
+        return pin_batch({
             "tokens": tokens[:, :-1].contiguous(),
             "labels": tokens[:, 1:].contiguous(),
             "loss_mask": loss_mask,
             "position_ids": torch.arange(length, dtype=torch.int64).expand(len(chunks), length).contiguous(),
             "attention_mask": _causal_mask(length).expand(len(chunks), 1, length, length).contiguous(),
-        }
+        })
 
     def iteration_batches(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                           num_microbatches: int) -> Iterator[Batch]:

@@ -38,7 +38,8 @@ from ..checkpoint.async_save import AsyncCheckpointer
 from ..checkpoint.save import SaveResult, save_checkpoint
 from ..checkpoint.state import torch_optimizers
 from ..cpu import cpu_megatron
-from ..ddp import HiggsDDP, dense_bytes_per_step
+from ..ddp import HiggsDDP, SyncAbandoned, dense_bytes_per_step
+from ..device import collective_device, model_device, to_device
 from ..memory import MemoryManager, make_probe
 from ..memory.flags import apply_block_allocator
 from ..optimizer import wrap_optimizer
@@ -74,8 +75,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module, poison: bool = False):
-    """Megatron's forward-step protocol; ``poison`` makes the loss NaN (the ``nan`` fault)."""
-    batch = next(data_iterator)
+    """Megatron's forward-step protocol; ``poison`` makes the loss NaN (the ``nan`` fault).
+    The host batch goes to the model's device here, asynchronously (``device.to_device``)."""
+    batch = to_device(next(data_iterator), model_device(model))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     if poison:
         output = output * float("nan")
@@ -140,7 +142,7 @@ class Trainer:
         self._wire_megatron_hooks()
         self.memory = self._memory_manager(args)
 
-        params = torch.tensor([num_parameters(self.model)], dtype=torch.long)
+        params = torch.tensor([num_parameters(self.model)], dtype=torch.long, device=collective_device())
         if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
             params.zero_()
         dist.all_reduce(params)
@@ -236,7 +238,8 @@ class Trainer:
         if args.save_interval and self.iteration % args.save_interval == 0:
             return True
         if args.checkpoint_interval:
-            due = torch.tensor([float(time.monotonic() - self._saved_at[1] >= args.checkpoint_interval)])
+            due = torch.tensor([float(time.monotonic() - self._saved_at[1] >= args.checkpoint_interval)],
+                               device=collective_device())
             dist.all_reduce(due, op=dist.ReduceOp.MAX)
             return bool(due.item())
         return False
@@ -468,14 +471,14 @@ class _Window:
         self.started = time.perf_counter()
         self.excluded = 0.0  # validation and checkpoint time inside the window
         self.iterations = 0
-        self.totals = torch.zeros(3, dtype=torch.float64)
+        self.totals = [0.0, 0.0, 0.0]  # on the host: a device tensor is made only at log lines
         self.density = 1.0
         self.tokens = 0
 
     def add(self, sent: int, dense: int, compress_seconds: float, density: float, tokens: int = 0) -> None:
         self.iterations += 1
         self.tokens += tokens
-        self.totals += torch.tensor([sent, dense, compress_seconds], dtype=torch.float64)
+        self.totals = [total + value for total, value in zip(self.totals, (sent, dense, compress_seconds))]
         self.density = density
 
     def seconds_per_iteration(self) -> float:
@@ -483,7 +486,7 @@ class _Window:
 
     def per_rank_per_step(self) -> list[float]:
         """A collective over the default group: every rank logs at the same iterations."""
-        totals = self.totals.clone()
+        totals = torch.tensor(self.totals, dtype=torch.float64, device=collective_device())
         dist.all_reduce(totals)
         return (totals / (dist.get_world_size() * max(1, self.iterations))).tolist()
 
@@ -559,9 +562,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"checkpoint error: {error}", file=sys.stderr, flush=True)
         return EXIT_CHECKPOINT
     except RuntimeError as error:
-        if not peer_lost(error):
+        if not (peer_lost(error) or isinstance(error, SyncAbandoned)):
             raise
-        print(f"[rank {dist_rank_or_launcher()}] a peer rank is gone ({str(error).splitlines()[0][:200]}); "
+        what = "the gradient sync was abandoned" if isinstance(error, SyncAbandoned) else "a peer rank is gone"
+        print(f"[rank {dist_rank_or_launcher()}] {what} ({str(error).splitlines()[0][:200]}); "
               f"exiting with status {EXIT_PEER_LOST} so that torchrun --max-restarts restarts the job "
               "(with --auto-resume it resumes from the latest committed checkpoint)", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
                   timeout_minutes: float = 10.0) -> None:
     if not dist.is_initialized():
-        if backend == "nccl":
+        if torch.cuda.is_available():  # before anything allocates on a device: this rank's GPU, not GPU 0
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))

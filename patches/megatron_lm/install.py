@@ -48,6 +48,7 @@ import megatron.training.initialize as initialize
 import megatron.training.training as training
 
 from higgs_megatron import HiggsConfig, HiggsDDP, wrap_optimizer
+from higgs_megatron.device import collective_device
 from higgs_megatron.memory import MemoryManager, make_probe
 from higgs_megatron.memory.flags import apply_block_allocator, offload_config_from_args
 
@@ -177,10 +178,6 @@ def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
-def _stat_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *args: Any, **kwargs: Any) -> tuple:
     result = original(training, "train_step")(forward_step_func, data_iterator, model, *args, **kwargs)
     sent = dense = seconds = 0.0
@@ -189,16 +186,17 @@ def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *a
         stats = chunk.take_stats()
         sent, dense, seconds, density = sent + stats.bytes_sent, dense + stats.dense_bytes, \
             seconds + stats.compress_seconds, stats.density
-    totals = torch.tensor([sent, dense, seconds], dtype=torch.float64, device=_stat_device())
+    totals = torch.tensor([sent, dense, seconds], dtype=torch.float64, device=collective_device())
     dist.all_reduce(totals)  # every rank, every step: the sum over the pipeline stages' chunks
     totals /= dist.get_world_size()
     loss_dict = result[0]
-    if loss_dict:  # the last pipeline stage logs
+    if loss_dict:  # the last pipeline stage logs; Megatron-LM reads these at its log interval
         device = next(iter(loss_dict.values())).device
-        loss_dict["higgs MB sent"] = torch.tensor(totals[0].item() / 1e6, device=device)
-        loss_dict["higgs MB dense"] = torch.tensor(totals[1].item() / 1e6, device=device)
+        scaled = (totals * torch.tensor([1e-6, 1e-6, 1e3], dtype=torch.float64, device=totals.device)).float()
+        scaled = scaled.to(device)
+        loss_dict["higgs MB sent"], loss_dict["higgs MB dense"] = scaled[0], scaled[1]
         loss_dict["higgs density"] = torch.tensor(density, device=device)
-        loss_dict["higgs compress ms"] = torch.tensor(totals[2].item() * 1e3, device=device)
+        loss_dict["higgs compress ms"] = scaled[2]
     return result
 
 
@@ -212,7 +210,7 @@ class _IntervalSaver:
     def __call__(self, model: Any, optimizer: Any, scheduler: Any, iteration: int, flops: Any,
                  checkpointing_context: Any, train_data_iterator: Any) -> bool:
         args = megatron_training.get_args()
-        due = torch.tensor([1.0 if time.monotonic() - self.last >= self.seconds else 0.0], device=_stat_device())
+        due = torch.tensor([1.0 if time.monotonic() - self.last >= self.seconds else 0.0], device=collective_device())
         dist.all_reduce(due, op=dist.ReduceOp.MAX)  # one rank's clock decides for all
         regular = bool(args.save_interval) and iteration % args.save_interval == 0
         if due.item() > 0 and not regular:

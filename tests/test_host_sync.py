@@ -1,0 +1,41 @@
+"""No host synchronisation in the gradient path: counted on CPU, where they are free, so that
+they never reach a GPU, where each one stalls backward's launch queue."""
+
+import pytest
+import torch
+
+from higgs_megatron.host_sync import HostSyncAudit
+from higgs_megatron.testing import run_ranks
+from tests.workers import host_syncs_in_gradient_path
+
+
+@pytest.mark.parametrize("compressor", ["topk", "sampled-topk"])
+def test_a_compressed_dp2_step_makes_no_host_sync_in_the_gradient_path(compressor, tiny_gpt_args):
+    argv = tiny_gpt_args + ["--train-iters", "3", "--global-batch-size", "16", "--overlap-grad-reduce",
+                            "--ddp-bucket-size", "20000", "--use-higgs", "--higgs-compressor", compressor,
+                            "--higgs-compression-ratio", "0.01", "--higgs-sync", "sparse",
+                            "--higgs-min-bucket-numel", "0", "--higgs-min-param-numel", "256"]
+    for rank, out in enumerate(run_ranks(host_syncs_in_gradient_path, 2, args=(argv,), timeout=300)):
+        # Every step audited: several bucket groups start and finish, and the decision's flags.
+        assert out["start_grad_sync"] >= 3 * 2 and out["finish_grad_sync"] >= 3 * 2, out
+        assert out["nonfinite_flag"] == 3, out
+        assert out["calls"] == {}, f"rank {rank}: host syncs in the gradient path:\n" + "\n".join(
+            f"{n:4d} {site}" for site, n in sorted(out["calls"].items(), key=lambda kv: -kv[1]))
+
+
+def test_the_audit_names_each_kind_of_host_sync_and_its_call_site():
+    import tests.host_sync_samples as samples
+
+    with HostSyncAudit(package="tests") as audit:
+        samples.every_kind(torch.arange(6.0))
+        with audit.pause():
+            samples.every_kind(torch.arange(6.0))
+    kinds = {site.rsplit(": ", 1)[1] for site in audit.calls}
+    assert kinds == {"Tensor.item", "Tensor.__bool__", "Tensor.tolist", "Tensor.cpu", "torch.nonzero",
+                     "Tensor.__getitem__", "Tensor.to", "torch.unique", "torch.cuda.synchronize"}, kinds
+    assert all(site.startswith("tests/host_sync_samples.py:") and " every_kind: " in site for site in audit.calls)
+    assert audit.total == 9  # the paused call counted nothing
+
+    with HostSyncAudit(package="higgs_megatron") as other:
+        samples.every_kind(torch.arange(6.0))
+    assert other.total == 0  # another package's calls are not charged to this one
