@@ -26,6 +26,17 @@ Per bucket group, per step (once, on the accumulated gradient, never per micro-b
 4. The collectives are asynchronous when ``overlap_grad_reduce`` is on; the handle's
    ``wait`` finishes them and writes the summed gradient into the bucket.
 
+Stream order (CUDA). ``start_grad_sync`` runs in Megatron's backward hook on the current
+stream: the scaling, the non-finite flag, error feedback and the selection are queued there,
+and the collective is launched with ``async_op`` right after; NCCL's stream waits for the
+current stream at launch, so it reads the finished payload. ``finish_grad_sync`` waits on the
+handle: ``work.wait()`` makes the current stream wait for the collective's end (the host goes
+on), and the decompression is queued after it, so the optimizer, which runs after
+``finish_grad_sync`` on the same stream, reads reduced gradients. No side stream is ours, and
+nothing between ``start_grad_sync`` and ``finish_grad_sync`` reads a device value on the host
+(``host_sync`` counts such reads in the tests); the non-finite flag is read once, by the
+optimizer wrapper's decision.
+
 Invariants kept: without the distributed optimizer every ``main_grad`` holds the DP-reduced
 gradient, identical on all DP ranks; with it at least this rank's shard does (the sparse
 path reduces the whole bucket). Each parameter is selected on its own, which keeps TP-replicated
