@@ -14,8 +14,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .logs import get_logger, setup_logging
+
 REPO = Path(__file__).resolve().parent.parent
 
+
+log = get_logger(__name__)
 
 def higgs_flags(density: float, train_iters: int, dense_iters: int | None = None,
                 warmup_iters: int | None = None) -> list[str]:
@@ -36,7 +40,8 @@ def run_pretrain(flags: Sequence[str], log_json: Path, nproc: int, quiet: bool =
     log_json.unlink(missing_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / "examples" / "pretrain_gpt.py"), *flags, "--log-json", str(log_json)]
-    print(f"$ torchrun --nproc_per_node {nproc} examples/pretrain_gpt.py {' '.join(flags)}", flush=True)
+    setup_logging()
+    log.info(f"$ torchrun --nproc_per_node {nproc} examples/pretrain_gpt.py {' '.join(flags)}")
     subprocess.run(command, check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.DEVNULL if quiet else None)
 

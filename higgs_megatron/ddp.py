@@ -60,9 +60,10 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketG
 from .compress.compressor import compress_with_feedback
 from .compress.error_feedback import ResidualBuffer
 from .compress.plan import BucketPlan, ParamSlot
+from .sync_plan import NodeShape, choose_form, path_at, plan_bucket
 from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
-from .cost_model import BucketShape, LinkCosts, cheapest, predict
+from .cost_model import LinkCosts
 from .device import DeviceTimer
 from .reduce import hierarchical
 from .reduce.link_probe import measure_link_costs
@@ -74,6 +75,20 @@ def dense_bytes_per_step(model: DistributedDataParallel) -> int:
     """Bytes Megatron's dense reduction hands to collectives per step: every gradient bucket."""
     return sum(bucket.grad_data.numel() * bucket.grad_data.element_size()
                for group in model.bucket_groups + model.expert_parallel_bucket_groups for bucket in group.buckets)
+
+
+def sync_traffic(model_chunks: list) -> "SyncStats":
+    """This step's gradient traffic over ``model_chunks`` (call once per step): HiggsDDP's own
+    counts (``take_stats``), Megatron's whole dense buckets for a plain DDP chunk. Both
+    front-ends report these."""
+    total = SyncStats()
+    for chunk in model_chunks:
+        if isinstance(chunk, HiggsDDP):
+            total.add(chunk.take_stats())
+        else:
+            dense = dense_bytes_per_step(chunk)
+            total.add(SyncStats(bytes_sent=dense, dense_bytes=dense, dense_buckets=len(chunk.bucket_groups)))
+    return total
 
 
 class HiggsConfigurationError(ValueError):
@@ -155,11 +170,14 @@ class _GroupHandle:
         try:
             work.wait(timeout=timedelta(seconds=shared.sync_timeout))
         except RuntimeError as error:
-            if "timed out" not in str(error).lower():
+            # NCCL's error names the watchdog ("... ran for N milliseconds before timing out"),
+            # gloo's says "Timed out": on NCCL any error of a bounded wait has cost the communicator.
+            nccl = "nccl" in self.backend
+            if not nccl and "timed out" not in str(error).lower():
                 raise
             shared.sync_timed_out = (f"rank {dist.get_rank()}: gradient sync did not complete within "
                                      f"{shared.sync_timeout:g}s")
-            if self.backend == "nccl":
+            if nccl:
                 raise SyncAbandoned(f"{shared.sync_timed_out}; NCCL aborted the data-parallel communicator, which "
                                     "cannot be drained") from error
             work.wait()
@@ -202,97 +220,25 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_index = index
         self.higgs_steps = 0
         self.higgs_nonfinite: torch.Tensor | None = None
-        self.higgs_paths: dict[tuple[int, float], str] = {}
-        config = shared.config
         nodes = shared.nodes
-        # Per bucket: the compressed form it may take ('sparse', 'hierarchical', or None for
-        # always dense), the plan(s) of its candidate forms, and its slice in the node.
-        self.higgs_forms: list[str | None] = []
-        self.higgs_candidates: list[dict[str, BucketPlan]] = []
-        self.higgs_slices: list[tuple[int, int] | None] = []
-        for bucket in self.buckets:
-            numel = bucket.grad_data.numel()
-            compressible = (config.compressor != "none" and config.sync != "dense"
-                            and numel >= config.min_bucket_numel
-                            and not (config.sync == "hierarchical" and nodes.single_node))
-            forms = {"auto": ("sparse", "hierarchical"), "sparse": ("sparse",),
-                     "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
-            slots = [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list]
-            device = bucket.grad_data.device
-            candidates = {}
-            if "sparse" in forms:
-                candidates["sparse"] = BucketPlan(numel, slots, config.min_param_numel, device)
-            hierarchy = nodes is not None and (config.sync == "hierarchical"
-                                               or (nodes.nodes > 1 and nodes.ranks_per_node > 1))
-            if "hierarchical" in forms and hierarchy:  # select within this rank's slice of the node-reduced bucket
-                lo, hi = hierarchical.slice_range(numel, nodes.ranks_per_node, nodes.local_index)
-                candidates["hierarchical"] = BucketPlan(
-                    hi - lo, [ParamSlot(max(s.start, lo) - lo, min(s.end, hi) - lo) for s in slots
-                              if s.end > lo and s.start < hi], config.min_param_numel, device)
-                self.higgs_slices.append((lo, min(hi, numel)))
-            else:
-                self.higgs_slices.append(None)
-            self.higgs_candidates.append(candidates)
-            self.higgs_forms.append(next(iter(candidates), None))
-        self._higgs_make_residuals()
+        shape = None if nodes is None else NodeShape(nodes.nodes, nodes.ranks_per_node, nodes.local_index)
+        self.higgs_buckets = [
+            plan_bucket(f"group{index}.bucket{idx}", bucket.grad_data.numel(), bucket.grad_data.dtype,
+                        [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list], shared.config,
+                        shape, bucket.grad_data.device)
+            for idx, bucket in enumerate(self.buckets)]
+        self.higgs_residuals: list[ResidualBuffer | None] = []
 
     def _higgs_make_residuals(self) -> None:
-        self.higgs_residuals = []
-        for idx, bucket in enumerate(self.buckets):
-            plan = self.higgs_plans[idx]
-            self.higgs_residuals.append(
-                ResidualBuffer(plan.numel, bucket.grad_data.dtype, bucket.grad_data.device)
-                if plan is not None and self.higgs.config.error_feedback else None)
+        """Once the forms are final: a residual per compressed bucket, the size of its plan."""
+        self.higgs_residuals = [
+            ResidualBuffer(paths.plan.numel, bucket.grad_data.dtype, bucket.grad_data.device)
+            if paths.plan is not None and self.higgs.config.error_feedback else None
+            for paths, bucket in zip(self.higgs_buckets, self.buckets)]
 
     @property
     def higgs_plans(self) -> list[BucketPlan | None]:
-        return [None if form is None else candidates[form]
-                for form, candidates in zip(self.higgs_forms, self.higgs_candidates)]
-
-    def _higgs_shape(self, idx: int, density: float, forms: tuple[str, ...]) -> BucketShape:
-        grad, candidates = self.buckets[idx].grad_data, self.higgs_candidates[idx]
-        flat, piece = candidates.get("sparse"), candidates.get("hierarchical")
-        return BucketShape(
-            bucket_bytes=grad.numel() * grad.element_size(), numel=grad.numel(),
-            flat_payload_bytes=flat.payload_bytes(density, grad.dtype) if flat and "sparse" in forms else None,
-            slice_numel=piece.numel if piece else 0,
-            slice_payload_bytes=piece.payload_bytes(density, grad.dtype)
-            if piece and "hierarchical" in forms else None,
-            ranks_per_node=self.higgs.nodes.ranks_per_node if piece else 1)
-
-    def _higgs_choose_forms(self, costs: LinkCosts) -> list[dict]:
-        """Under 'auto': give each bucket the cheaper compressed form at the target density
-        (and drop the other plan). Returns what was decided, for the start-up log."""
-        density = self.higgs.config.compression_ratio
-        report = []
-        for idx, candidates in enumerate(self.higgs_candidates):
-            grad = self.buckets[idx].grad_data
-            entry = {"bucket": f"group{self.higgs_index}.bucket{idx}", "numel": grad.numel(), "path": "dense",
-                     "predicted_ms": {}}
-            if candidates:
-                predicted = predict(costs, self._higgs_shape(idx, density, tuple(candidates)))
-                form = cheapest(predicted, allowed=tuple(candidates))
-                self.higgs_candidates[idx] = {form: candidates[form]}
-                self.higgs_forms[idx] = form
-                if form != "hierarchical":
-                    self.higgs_slices[idx] = None
-                entry["path"] = cheapest(predicted, allowed=("dense", form))
-                entry["predicted_ms"] = {path: round(seconds * 1e3, 3) for path, seconds in predicted.items()}
-            report.append(entry)
-        self._higgs_make_residuals()
-        return report
-
-    def _higgs_path(self, idx: int, density: float) -> str:
-        """This step's path for bucket ``idx``: the same on every DP peer (it depends only on
-        the config, the agreed costs, the bucket and the density)."""
-        form = self.higgs_forms[idx]
-        if form is None or self.higgs.costs is None:
-            return form or "dense"
-        key = (idx, density)
-        if key not in self.higgs_paths:
-            predicted = predict(self.higgs.costs, self._higgs_shape(idx, density, (form,)))
-            self.higgs_paths[key] = cheapest(predicted, allowed=("dense", form))
-        return self.higgs_paths[key]
+        return [paths.plan for paths in self.higgs_buckets]
 
     @property
     def _communication_group(self) -> dist.ProcessGroup:
@@ -313,14 +259,6 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         for bucket in self.buckets:
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
-        if shared.check_nonfinite:
-            # A device flag, read once per step by the optimizer wrapper's decision (never here:
-            # a read would stall backward's launch queue). One summing pass per bucket: a NaN or
-            # inf anywhere makes the sum non-finite (a finite sum that overflows only skips a
-            # step needlessly); torch.isfinite(grad).all() costs far more on CPU.
-            sums = torch.stack([b.grad_data.sum(dtype=torch.float32) for b in self.buckets])
-            self.higgs_nonfinite = torch.isfinite(sums).all().logical_not()
-
         group = self._communication_group
         async_op = self.ddp_config.overlap_grad_reduce
         average = self.ddp_config.average_in_collective
@@ -328,36 +266,51 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         density = shared.config.density(self.higgs_steps)
         dense = force_all_reduce or shared.config.dense_stage(self.higgs_steps)
         stats = SyncStats(density=density if shared.selector is not None else 1.0)
+        # The non-finite check: one summing pass per bucket over what it sends (the gradient plus
+        # its residual), before the collective reads it. A NaN or inf anywhere makes the sum
+        # non-finite (a finite sum that overflows only skips a step needlessly); far cheaper than
+        # torch.isfinite(grad).all(). It stays a device flag, read once per step by the optimizer
+        # wrapper's decision: a read here would stall backward's launch queue.
+        sums: list[torch.Tensor] | None = [] if shared.check_nonfinite else None
         dense_works, sparse = [], []
         for idx, bucket in enumerate(self.buckets):
             grad = bucket.grad_data
             residual = self.higgs_residuals[idx]
-            path = "dense" if dense else self._higgs_path(idx, density)
+            path = "dense" if dense else path_at(self.higgs_buckets[idx], density, shared.costs)
             stats.dense_bytes += grad.numel() * grad.element_size()
             if path == "hierarchical":
+                if sums is not None:
+                    sums.append(grad.sum(dtype=torch.float32))
                 sparse.append(self._launch_hierarchical(idx, grad, density, stats, async_op))
+                if sums is not None:  # this rank's slice: the node's sum plus the residual
+                    sums.append(sparse[-1].piece.sum(dtype=torch.float32))
                 continue
             if path == "dense":
                 if residual is not None:  # a hierarchical form's residual covers this rank's slice
-                    lo, hi = self.higgs_slices[idx] or (0, grad.numel())
-                    shared.compress_timer.start(grad.device)
-                    residual.accumulate(grad.narrow(0, lo, min(hi, grad.numel()) - lo))
-                    residual.stage_all_sent()
-                    shared.compress_timer.stop()
+                    lo, hi = self.higgs_buckets[idx].slice or (0, grad.numel())
+                    lo = min(lo, grad.numel())  # a tiny bucket's last slice may start past its end
+                    with shared.compress_timer.measure(grad.device):
+                        residual.accumulate(grad.narrow(0, lo, min(hi, grad.numel()) - lo))
+                        residual.stage_all_sent()
                 stats.bytes_sent += grad.numel() * grad.element_size()
                 stats.dense_buckets += 1
+                if sums is not None:
+                    sums.append(grad.sum(dtype=torch.float32))
                 dense_works.append(self._launch_dense(idx, grad, reduce_op, group, async_op, force_all_reduce))
                 continue
             plan = self.higgs_plans[idx]
-            shared.compress_timer.start(grad.device)
-            sparse_grad = compress_with_feedback(grad, plan, density, shared.selector, residual,
-                                                 key=(self.higgs_index, idx))
-            shared.compress_timer.stop()
+            with shared.compress_timer.measure(grad.device):
+                sparse_grad = compress_with_feedback(grad, plan, density, shared.selector, residual,
+                                                     key=(self.higgs_index, idx))
             stats.bytes_sent += plan.payload_bytes(density, grad.dtype)
             stats.sparse_buckets += 1
+            if sums is not None:
+                sums.append(grad.sum(dtype=torch.float32))
             sparse.append(launch_sparse_allreduce(sparse_grad.always_positions, sparse_grad.always,
                                                   sparse_grad.positions, sparse_grad.values, grad, group,
                                                   async_op=async_op))
+        if sums is not None:
+            self.higgs_nonfinite = torch.isfinite(torch.stack(sums)).all().logical_not()
         self.higgs_steps += 1
         shared.stats.add(stats)
         handle = _GroupHandle(dense_works, sparse, dist.get_world_size(group) if average else 1,
@@ -373,10 +326,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
         work, piece = hierarchical.node_reduce_scatter(grad, nodes.intra)
-        self.higgs.compress_timer.start(grad.device)
-        sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
-                                             key=(self.higgs_index, idx))
-        self.higgs.compress_timer.stop()
+        with self.higgs.compress_timer.measure(grad.device):
+            sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
+                                                 key=(self.higgs_index, idx))
         # Bytes handed to collectives: the node's reduce-scatter and all-gather, and the payload.
         node_bytes = 2 * (work.numel() - piece.numel()) * work.element_size()
         stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
@@ -419,11 +371,13 @@ class HiggsDDP(DistributedDataParallel):
                 f"{len(self.expert_parallel_bucket_groups)} expert-parallel bucket group(s) (num_moe_experts set); "
                 "train MoE models with Megatron's DistributedDataParallel")
         self.higgs_config = higgs_config or HiggsConfig()
-        selector = None if self.higgs_config.compressor == "none" else make_selector(
-            self.higgs_config.compressor, seed=dist.get_rank())
-        self._higgs = _Shared(config=self.higgs_config, selector=selector)
         dp_group = (self.bucket_groups[0].intra_distributed_optimizer_instance_group
                     if ddp_config.use_distributed_optimizer else self.bucket_groups[0].data_parallel_group)
+        # Seeded by the DP rank: the TP ranks of one DP replica sample alike, so a TP-replicated
+        # parameter (same gradient on each) is selected alike even where sampling falls short.
+        selector = None if self.higgs_config.compressor == "none" else make_selector(
+            self.higgs_config.compressor, seed=dist.get_rank(dp_group))
+        self._higgs = _Shared(config=self.higgs_config, selector=selector)
         if self.higgs_config.sync in ("auto", "hierarchical") and self.higgs_config.compressor != "none":
             # Collective over the whole world: every rank builds its HiggsDDP chunks together.
             self._higgs.nodes = build_node_groups(dp_group)
@@ -432,15 +386,21 @@ class HiggsDDP(DistributedDataParallel):
             group._higgs_attach(self._higgs, index)
         self.higgs_sync_report: list[dict] = []
         if self.higgs_config.sync == "auto" and self.higgs_config.compressor != "none":
-            plans = [plan for group in self.bucket_groups for plan in group.higgs_plans if plan is not None]
-            self._higgs.costs = measure_link_costs(
-                dp_group, self._higgs.nodes, ddp_config.use_distributed_optimizer,
-                max(plans, key=lambda plan: plan.numel, default=None), self.higgs_config.compression_ratio,
-                self.higgs_config.compressor, self.higgs_config.error_feedback, self.bucket_groups[0].buckets[0]
-                .grad_data.device, assume_gbps=self.higgs_config.link_gbps,
-                assume_node_gbps=self.higgs_config.node_link_gbps)
-            self.higgs_sync_report = [entry for group in self.bucket_groups
-                                      for entry in group._higgs_choose_forms(self._higgs.costs)]
+            self._higgs_plan_auto(dp_group, ddp_config.use_distributed_optimizer)
+        for group in self.bucket_groups:
+            group._higgs_make_residuals()
+
+    def _higgs_plan_auto(self, dp_group: dist.ProcessGroup, distributed_optimizer: bool) -> None:
+        """Measure the links (collective over the DP group), then keep each bucket's cheaper form."""
+        plans = [plan for group in self.bucket_groups for plan in group.higgs_plans if plan is not None]
+        config = self.higgs_config
+        self._higgs.costs = measure_link_costs(
+            dp_group, self._higgs.nodes, distributed_optimizer, max(plans, key=lambda plan: plan.numel, default=None),
+            config.compression_ratio, config.compressor, config.error_feedback,
+            self.bucket_groups[0].buckets[0].grad_data.device, assume_gbps=config.link_gbps,
+            assume_node_gbps=config.node_link_gbps)
+        self.higgs_sync_report = [choose_form(paths, self._higgs.costs, config.compression_ratio)
+                                  for group in self.bucket_groups for paths in group.higgs_buckets]
 
     @property
     def link_costs(self) -> LinkCosts | None:

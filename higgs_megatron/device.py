@@ -21,8 +21,9 @@ ordered and each helper reduces to a plain copy or a wall-clock reading):
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -69,6 +70,20 @@ class DeviceTimer:
         self._host_started: float | None = None
         self._cuda = False
         self._seconds = 0.0
+
+    @contextlib.contextmanager
+    def measure(self, device: torch.device) -> Iterator[None]:
+        """Time the device work queued inside the block (an interval left by an exception is
+        dropped, not read)."""
+        self.start(device)
+        try:
+            yield
+        except BaseException:
+            if self._cuda:
+                self._pending.pop()
+            self._host_started = None
+            raise
+        self.stop()
 
     def start(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
@@ -128,6 +143,10 @@ class HostCopy:
             self.copies = [t.clone() for t in tensors]
             return
         requested = requested or request_event()
+        # Host tensors are cloned by the host: it waits for the work queued before the request
+        # (a pending device-to-host copy into one of them, say) so that the clone is of that state.
+        if any(t.device.type != "cuda" for t in tensors):
+            requested.synchronize()
         self.stream = torch.cuda.Stream(device=device)
         self.stream.wait_event(requested)
         self.copies = []
@@ -140,7 +159,7 @@ class HostCopy:
                 host.copy_(tensor, non_blocking=True)
                 tensor.record_stream(self.stream)
                 self.copies.append(host)
-            self.done = torch.cuda.Event()
+            self.done = torch.cuda.Event(blocking=True)  # host_ready sleeps rather than spins
             self.done.record(self.stream)
 
     def order_before(self) -> None:

@@ -28,9 +28,14 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 
-from .checkpoint.state import torch_optimizers
 from .ddp import HiggsDDP
 from .frozen_variance import check_supported, freeze_variance
+
+def torch_optimizers(optimizer) -> list:
+    """(Megatron optimizer, torch optimizer) pairs of a possibly wrapped, possibly chained optimizer."""
+    inner = getattr(optimizer, "inner", optimizer)
+    return [(m, m.optimizer) for m in getattr(inner, "chained_optimizers", [inner])]
+
 
 _DELEGATED = (
     "get_parameters", "get_main_grads_for_grad_norm", "get_grad_stats_parallel_group", "prepare_grads",

@@ -19,6 +19,7 @@ it needs). Exit status 2: bad flags or checkout; 1: a checkpoint refused (messag
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
@@ -49,7 +50,8 @@ def _split_launcher_args(argv: list[str]) -> tuple[str | None, bool, bool, list[
 
 def _say(message: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
-        print(message, file=sys.stderr, flush=True)
+        # Plain logging: importing higgs_megatron here would import megatron before the checkout is on the path.
+        logging.getLogger("higgs_megatron.patches").error(message)
 
 
 def main(argv: list[str]) -> int:

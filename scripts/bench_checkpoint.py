@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from higgs_megatron.benchmarks import REPO, markdown_table  # noqa: E402
+from higgs_megatron.device import collective_device  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
          "--micro-batch-size", "4", "--use-distributed-optimizer", "--eval-iters", "0", "--log-interval", "1000000"]
@@ -49,7 +50,7 @@ class HiggsSync:
     def start(self, directory: Path) -> None:
         from higgs_megatron.checkpoint.save import save_checkpoint
 
-        save_checkpoint(self.trainer, directory)
+        save_checkpoint(self.trainer.training_state(), directory)
 
     def done(self) -> bool:
         return True
@@ -64,7 +65,7 @@ class HiggsAsync(HiggsSync):
         trainer.checkpointer = self.checkpointer  # so that train_step waits for its host copy, as in training
 
     def start(self, directory: Path) -> None:
-        self.checkpointer.start(self.trainer, directory)
+        self.checkpointer.start(self.trainer.training_state(), directory)
 
     def done(self) -> bool:
         self.checkpointer.poll()
@@ -164,7 +165,7 @@ def worker(flags: list[str], out: Path, repeats: int) -> None:
                 for _ in range(2):  # settle before the next save
                     _step(trainer)
         local = torch.tensor([[statistics.median(r[i] for r in runs) for i in range(4)]
-                              for runs in measured.values()], dtype=torch.float64)
+                              for runs in measured.values()], dtype=torch.float64, device=collective_device())
         dist.all_reduce(local, op=dist.ReduceOp.MAX)  # the loop waits for its slowest rank
         if dist.get_rank() == 0:
             params = sum(p.numel() for p in trainer.model[0].parameters())

@@ -57,7 +57,7 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
 def staged_sync(variants: dict[str, list[str]]) -> dict:
     """``train_variants``, recording per step of the last variant the bytes sent, the dense
     bytes and a checksum of Adam's second moment after the step."""
-    from higgs_megatron.checkpoint.state import torch_optimizers
+    from higgs_megatron.optimizer import torch_optimizers
     from higgs_megatron.training.loop import Trainer
 
     sent, dense, variance = [], [], []
@@ -86,19 +86,26 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
     """Train at low density, recording each compression and the sync order; check per rank
     that sent + residual == accumulated gradient, and report params, bytes and the trace."""
     import higgs_megatron.compress.compressor as compressor
+    import higgs_megatron.reduce.sparse_allreduce as sparse_allreduce
     import megatron.core.pipeline_parallel.schedules as schedules
     from higgs_megatron.training.arguments import parse_args
     from higgs_megatron.training.loop import Trainer, training_environment
 
     args = parse_args(argv)
-    records = []
+    records, handed = [], []
     original_compress, original_backward = compressor.compress, schedules.backward_step
+    original_pack = sparse_allreduce.pack
 
     def recording_compress(acc, plan, density, selector, key=None):
         accumulated = acc.clone()
         sparse = original_compress(acc, plan, density, selector, key=key)
         records.append((key, accumulated, sparse, plan, density))
         return sparse
+
+    def recording_pack(*a, **k):  # what each compression hands the all-gather, in bytes
+        payload = original_pack(*a, **k)
+        handed.append(payload.numel() * payload.element_size())
+        return payload
 
     with training_environment(args):
         trainer = Trainer(args)
@@ -117,18 +124,21 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
             return original_step()
 
         compressor.compress, schedules.backward_step = recording_compress, traced_backward
+        sparse_allreduce.pack = recording_pack
         trainer.train_step = traced_step
         try:
             trainer.train()
         finally:
             compressor.compress, schedules.backward_step = original_compress, original_backward
+            sparse_allreduce.pack = original_pack
         # sent + residual == accumulated, for the last step's buckets
+        assert len(handed) == len(records), (len(handed), len(records))  # one payload per compression
         last = {}
-        for key, accumulated, sparse, plan, density in records:
-            last[key] = (accumulated, sparse, plan, density)
+        for (key, accumulated, sparse, plan, density), nbytes in zip(records, handed):
+            last[key] = (accumulated, sparse, plan, density, nbytes)
         conservation = []
         byte_ratios = []
-        for (group, bucket), (accumulated, sparse, plan, density) in last.items():
+        for (group, bucket), (accumulated, sparse, plan, density, nbytes) in last.items():
             residual = ddp.bucket_groups[group].higgs_residuals[bucket].current
             sent = torch.zeros_like(accumulated)
             sent[plan.always_positions] = sparse.always
@@ -138,8 +148,8 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
             # (the always-sent small parameters travel dense by design).
             itemsize = accumulated.element_size()
             always_bytes = plan.n_always * itemsize
-            byte_ratios.append((plan.payload_bytes(density, accumulated.dtype) - always_bytes)
-                               / (accumulated.numel() * itemsize - always_bytes))
+            assert nbytes == plan.payload_bytes(density, accumulated.dtype)  # the plan's size is what went out
+            byte_ratios.append((nbytes - always_bytes) / (accumulated.numel() * itemsize - always_bytes))
         out = {"coords": coordinates(), "params": parameters(trainer), "conservation": conservation,
                "byte_ratios": byte_ratios, "trace": list(trace), "groups": len(ddp.bucket_groups),
                "compressions_per_step": len(records) / args.train_iters,
@@ -292,11 +302,11 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
             if trainer.memory is not None:  # the optimizer state still on the device once each save returns
                 save = trainer.save
                 trainer.save = lambda: (save(), resident_after_saves.append(trainer.memory.resident_bytes()))
-            state_after_load = tensor_pieces(sharded_training_state(trainer)) if args.load else None
+            state_after_load = tensor_pieces(sharded_training_state(trainer.training_state())) if args.load else None
             result = trainer.train()
             out = {"start": start, "losses": result.losses, "after_load": state_after_load,
                    "resident_after_saves": resident_after_saves,
-                   "final": tensor_pieces(sharded_training_state(trainer)), "coords": coordinates()}
+                   "final": tensor_pieces(sharded_training_state(trainer.training_state())), "coords": coordinates()}
             trainer.close()
     finally:
         dist_checkpointing.save = original_save

@@ -3,7 +3,7 @@
 Protocol (every rank, the same calls at the same iterations):
 
 1. ``start`` (after ``wait`` for the previous save: one in flight at most), in the loop's time:
-   save.py's step 1 (the ``.tmp`` directory), the sharded state dict, and megatron-core's save
+   ``commit.begin`` (the ``.tmp`` directory), the sharded state dict, and megatron-core's save
    planning (in full for a run's first save; later saves reuse its validated plan, as
    Megatron-LM's ``--ckpt-assume-constant-structure``).
 2. A writer **thread** makes the **host copy** (``device.HostCopy``: every tensor to be
@@ -22,7 +22,7 @@ Protocol (every rank, the same calls at the same iterations):
    collective.
 3. ``poll`` (after every step): one all-reduce says whether every rank's writer is done. When
    it is: megatron-core's finalization (``.metadata``; a write error on any rank is raised on
-   every rank as ``CheckpointError``), then save.py's commit (rank map, rename, ``latest``).
+   every rank as ``CheckpointError``), then ``commit.commit`` (rank map, rename, ``latest``).
 4. ``close`` at the end of training waits for the save in flight and commits it.
 
 A crash before step 3's commit leaves ``latest`` on the previous checkpoint, as for a
@@ -50,9 +50,9 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 
 from ..device import HostCopy, request_event
 from .manifest import CheckpointError
-from .save import (SaveResult, _begin, _commit, _first_line, _Snapshot, common_files, crc32_skipped, hash_files,
-                   shard_files)
-from .state import shard_records, sharded_training_state
+from .commit import PendingCheckpoint, SaveResult, begin, commit, common_files, hash_files, shard_files
+from .save import crc32_skipped, first_line, pending_checkpoint
+from .state import TrainingState, shard_records, sharded_training_state
 
 
 class _ThreadCaller(AsyncCaller):
@@ -131,24 +131,24 @@ class AsyncCheckpointer:
         _get_write_results_queue()  # a spawned manager process: seconds, paid here, not in the first save
         self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1, cached_metadata=True)
         self.validated = False
-        self.pending: _Snapshot | None = None
+        self.pending: PendingCheckpoint | None = None
         self._hashes: list | None = None
         self._committed: list[SaveResult] = []
         self._copied = threading.Event()
         self._copied.set()
         self._host_copy: HostCopy | None = None
 
-    def start(self, trainer, save_dir: str | Path, keep_last: int | None = None) -> None:
+    def start(self, training: TrainingState, save_dir: str | Path, keep_last: int | None = None) -> None:
         """Begin a save. The previous one must be finished first (``wait``): its commit is
         the caller's to report."""
         if self.pending is not None:
             raise RuntimeError("a checkpoint save is in flight: wait() for it before starting the next")
-        snapshot = _begin(trainer, save_dir, keep_last)
-        state = sharded_training_state(trainer)
+        snapshot = begin(pending_checkpoint(training, save_dir, keep_last))
+        state = sharded_training_state(training)
         shards = shard_records(state)
         live = {v.data.data_ptr() for v in nested_values(state)
                 if isinstance(v, ShardedBase) and isinstance(getattr(v, "data", None), torch.Tensor)}
-        request = dist_checkpointing.save(state, str(snapshot.tmp), sharded_strategy=self.strategy,
+        request = dist_checkpointing.save(state, str(snapshot.directory), sharded_strategy=self.strategy,
                                           validate_access_integrity=not self.validated, async_sharded_save=True)
         self.validated = True
         self._hashes = None
@@ -158,7 +158,7 @@ class AsyncCheckpointer:
                 raise RuntimeError(f"unexpected megatron-core async writer {write!r} (megatron-core is pinned)")
             device = torch.cuda.current_device() if torch.cuda.is_available() else None
             request = request._replace(
-                async_fn=partial(self._write_and_hash, write.args[0], snapshot.tmp),
+                async_fn=partial(self._write_and_hash, write.args[0], snapshot.directory),
                 preload_fn=partial(self._copy_on_writer_thread, request.async_fn_args[1], live, request_event(),
                                    device))
             self._host_copy = None
@@ -213,10 +213,10 @@ class AsyncCheckpointer:
             self._hashes = hash_files(shard_files(rank, directory))
         results_queue.put(results)
 
-    def _finalize(self, snapshot: _Snapshot, shards: list) -> None:
+    def _finalize(self, snapshot: PendingCheckpoint, shards: list) -> None:
         # The writer hashed the shard files; only rank 0's small common files are hashed here.
-        common = hash_files(common_files(dist.get_rank(), snapshot.tmp))
-        self._committed.append(_commit(snapshot, shards, (self._hashes or []) + common, None))
+        common = hash_files(common_files(dist.get_rank(), snapshot.directory))
+        self._committed.append(commit(snapshot, shards, (self._hashes or []) + common))
 
     def poll(self, blocking: bool = False) -> list[SaveResult]:
         """Finish the save if its writers are done on every rank (collective); what committed."""
@@ -227,8 +227,8 @@ class AsyncCheckpointer:
             self.queue.maybe_finalize_async_calls(blocking=blocking)
         except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - the same on every rank
             self.pending = None
-            raise CheckpointError(f"checkpoint {snapshot.tmp} not committed: {type(exc).__name__}: "
-                                  f"{_first_line(exc)}") from exc
+            raise CheckpointError(f"checkpoint {snapshot.directory} not committed: {type(exc).__name__}: "
+                                  f"{first_line(exc)}") from exc
         if self.queue.get_num_unfinalized_calls() == 0:
             self.pending = None
         done, self._committed = self._committed, []

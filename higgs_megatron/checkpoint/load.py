@@ -17,13 +17,12 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
 
-from .manifest import CheckpointError, Manifest
-from .save import LATEST, checkpoint_name, committed_checkpoints, current_layout
-from .state import (prepare_fresh_optimizer_for_load, restore_rng_state, shard_records, sharded_training_state,
-                    tolerate_torch_adam_step, untie_adam_steps)
-from .validation import layout_differences, uncovered_shards, verify_files
-
-RECOVERY_MODES = ("same-sharding", "reshard")
+from .commit import LATEST, checkpoint_name, committed_checkpoints
+from .layout import current_layout
+from .manifest import MANIFEST_NAME, CheckpointError, Manifest
+from .state import (TrainingState, prepare_fresh_optimizer_for_load, restore_rng_state, shard_records,
+                    sharded_training_state, tolerate_torch_adam_step, untie_adam_steps)
+from .validation import RECOVERY_MODES, check_layout, uncovered_shards, verify_files  # noqa: F401 - RECOVERY_MODES
 
 
 @dataclass
@@ -31,29 +30,47 @@ class LoadResult:
     path: Path
     manifest: Manifest
     resharded: bool
+    warning: str | None = None
 
 
-def find_checkpoint(load_dir: str | Path, version: int | None = None) -> Path | None:
-    """The committed checkpoint to load: ``version`` if given, else the one ``latest`` names."""
+def choose_checkpoint(load_dir: str | Path, version: int | None = None,
+                      pointer: str = LATEST) -> tuple[Path | None, str | None]:
+    """The committed checkpoint to load, and a warning to show, if any. Both front-ends, one rule:
+
+    * ``version`` given: that iteration, which must be committed;
+    * else the iteration the ``pointer`` file names (``latest``; Megatron-LM's tracker), if
+      it is committed;
+    * else the newest committed checkpoint, with a warning that the pointer names one that
+      is not (a crash between a pointer move and the commit; never trusted blindly);
+    * none committed: None, unless ``iter_*`` directories without a rank map exist (saved
+      without ``--use-higgs``, or interrupted), which is an error naming them.
+    """
     load_dir = Path(load_dir)
+    committed = committed_checkpoints(load_dir)
     if version is not None:
-        path = load_dir / checkpoint_name(version)
-        if version not in committed_checkpoints(load_dir):
-            available = ", ".join(map(str, committed_checkpoints(load_dir))) or "none"
-            raise CheckpointError(f"--checkpoint-version {version}: {path} is not a committed checkpoint "
-                                  f"(committed: {available})")
-        return path
-    latest = load_dir / LATEST
-    if not latest.exists():
-        return None
-    try:
-        iteration = int(latest.read_text().strip())
-    except ValueError:
-        raise CheckpointError(f"{latest}: expected an iteration number") from None
-    path = load_dir / checkpoint_name(iteration)
-    if not (path / "rank_map.json").exists():
-        raise CheckpointError(f"{latest} names iteration {iteration}, but {path} is not a committed checkpoint")
-    return path
+        if version not in committed:
+            raise CheckpointError(f"--checkpoint-version {version}: {load_dir / checkpoint_name(version)} is not a "
+                                  f"committed checkpoint (committed: {', '.join(map(str, committed)) or 'none'})")
+        return load_dir / checkpoint_name(version), None
+    pointer_file = load_dir / pointer
+    named = None
+    if pointer_file.exists():
+        text = pointer_file.read_text().strip()
+        named = int(text) if text.isdigit() else None
+    if named is not None and named in committed:
+        return load_dir / checkpoint_name(named), None
+    if not committed:
+        uncommitted = [p.name for p in load_dir.glob("iter_*")
+                       if p.is_dir() and p.suffix != ".tmp" and not (p / MANIFEST_NAME).exists()]
+        if uncommitted:
+            raise CheckpointError(f"{load_dir}: {', '.join(sorted(uncommitted))} has no rank map (saved without "
+                                  "--use-higgs, or interrupted before its commit); load it without --use-higgs, "
+                                  "or start from an empty --load directory")
+        return None, None
+    chosen = load_dir / checkpoint_name(committed[-1])
+    said = f"names iteration {named}, which has no rank map (not committed)" if named is not None else (
+        "is missing or unreadable")
+    return chosen, f"{pointer_file} {said}; loading the newest committed checkpoint, {chosen}"
 
 
 def agree(local_problems: list[str], what: str) -> None:
@@ -65,40 +82,36 @@ def agree(local_problems: list[str], what: str) -> None:
         raise CheckpointError(f"{what}:\n  " + "\n  ".join(problems))
 
 
-def load_checkpoint(trainer, load_dir: str | Path, recovery_mode: str = "same-sharding",
+def load_checkpoint(training: TrainingState, load_dir: str | Path, recovery_mode: str = "same-sharding",
                     version: int | None = None) -> LoadResult | None:
-    """Restore ``trainer`` from the chosen checkpoint; None when ``load_dir`` holds none."""
-    if recovery_mode not in RECOVERY_MODES:
-        raise CheckpointError(f"--recovery-mode {recovery_mode!r}: expected one of {', '.join(RECOVERY_MODES)}")
-    path = find_checkpoint(load_dir, version)
+    """Restore ``training`` from the chosen checkpoint; None when ``load_dir`` holds none. The
+    warning of ``choose_checkpoint``, if any, is ``LoadResult.warning``."""
+    path, warning = choose_checkpoint(load_dir, version)
     if path is None:
         return None
     manifest = Manifest.read(path)
-    differences = layout_differences(manifest.layout, current_layout(trainer.args.use_distributed_optimizer))
+    differences = check_layout(path, manifest.layout, current_layout(training.use_distributed_optimizer),
+                               recovery_mode)
     resharded = bool(differences)
-    if differences and recovery_mode == "same-sharding":
-        raise CheckpointError(f"{path} was saved with another layout; --recovery-mode same-sharding "
-                              "refuses to load it (use --recovery-mode reshard to move to this layout):\n  "
-                              + "\n  ".join(differences))
-    prepare_fresh_optimizer_for_load(trainer.optimizer)
-    state = sharded_training_state(trainer, is_loading=True, per_rank=not resharded)
+    prepare_fresh_optimizer_for_load(training.optimizer)
+    state = sharded_training_state(training, is_loading=True, per_rank=not resharded)
     agree(uncovered_shards(manifest, shard_records(state, main_replica_only=False)) if resharded else [],
-           f"{path} cannot be resharded to this layout")
+          f"{path} cannot be resharded to this layout")
     agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()), f"{path} failed its integrity check")
 
     loaded = dist_checkpointing.load(state, str(path))
-    trainer.model[0].module.load_state_dict(loaded["model"])
+    training.model[0].module.load_state_dict(loaded["model"])
     optimizer_state = loaded["optimizer"]
     residuals = optimizer_state.pop("higgs_residuals", None)
-    inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
+    inner = getattr(training.optimizer, "inner", training.optimizer)
     with tolerate_torch_adam_step():
         inner.load_state_dict(optimizer_state)
-    untie_adam_steps(trainer.optimizer)
+    untie_adam_steps(training.optimizer)
     if residuals is not None:
-        trainer.optimizer.load_higgs_residuals(residuals)
-    trainer.scheduler.load_state_dict(loaded["scheduler"])
-    trainer.iteration = loaded["iteration"]
-    trainer.consumed_samples = loaded["consumed_samples"]
+        training.optimizer.load_higgs_residuals(residuals)
+    training.scheduler.load_state_dict(loaded["scheduler"])
+    training.iteration = loaded["iteration"]
+    training.consumed_samples = loaded["consumed_samples"]
     if not resharded:
         restore_rng_state(loaded["rng"])
-    return LoadResult(path=path, manifest=manifest, resharded=resharded)
+    return LoadResult(path=path, manifest=manifest, resharded=resharded, warning=warning)

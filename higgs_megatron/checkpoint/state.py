@@ -1,6 +1,9 @@
 """What a checkpoint holds, as megatron-core sharded state dicts, and the shards it lists.
 
-``sharded_training_state`` builds the dict ``dist_checkpointing`` saves and loads:
+``TrainingState`` names what a save reads and a load restores (model chunks, optimizer, LR
+schedule, counters, the higgs config): the checkpoint code takes it, never a trainer object
+or an argparse namespace. ``sharded_training_state`` builds from it the dict
+``dist_checkpointing`` saves and loads:
 
 * ``model``: the model chunk's ``sharded_state_dict()`` (global shapes and offsets per tensor);
 * ``optimizer``: the optimizer's, with the distributed optimizer's state in Megatron's
@@ -18,6 +21,8 @@ residuals start from zero (as at the start of training); a ``reshard_policy`` ev
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from ..optimizer import torch_optimizers
 from .manifest import ShardRecord
 from .optimizer_shards import owner_written_optimizer_state
 
@@ -42,10 +48,18 @@ def restore_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def torch_optimizers(optimizer):
-    """(Megatron optimizer, torch optimizer) pairs of a possibly wrapped, possibly chained optimizer."""
-    inner = getattr(optimizer, "inner", optimizer)
-    return [(m, m.optimizer) for m in getattr(inner, "chained_optimizers", [inner])]
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and restores. A load writes ``iteration`` and
+    ``consumed_samples`` back here; the model, optimizer and schedule are restored in place."""
+
+    model: list  # this rank's model chunks (DDP-wrapped)
+    optimizer: Any  # a MegatronOptimizer, possibly HiggsOptimizer-wrapped
+    scheduler: Any  # OptimizerParamScheduler
+    iteration: int
+    consumed_samples: int
+    use_distributed_optimizer: bool
+    higgs: dict | None = None  # the HiggsConfig, as the rank map records it; None without --use-higgs
 
 
 def prepare_fresh_optimizer_for_load(optimizer) -> None:
@@ -115,23 +129,23 @@ def spread_model_writes(model_sd: dict, dp_rank: int, dp_size: int) -> None:
         tensor.replica_id = (*tensor.replica_id[:-1], (dp_rank - writer) % dp_size)
 
 
-def sharded_training_state(trainer, is_loading: bool = False, per_rank: bool = True) -> dict:
-    """The sharded state dict of a Trainer; ``per_rank=False`` leaves out rng and residuals."""
-    chunk = trainer.model[0].module
+def sharded_training_state(training: TrainingState, is_loading: bool = False, per_rank: bool = True) -> dict:
+    """The sharded state dict of ``training``; ``per_rank=False`` leaves out rng and residuals."""
+    chunk = training.model[0].module
     model_sd = chunk.sharded_state_dict()
     if not is_loading:
         spread_model_writes(model_sd, parallel_state.get_data_parallel_rank(with_context_parallel=True),
                             parallel_state.get_data_parallel_world_size(with_context_parallel=True))
     with owner_written_optimizer_state():
-        optimizer_sd = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
+        optimizer_sd = training.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
     if not per_rank:
         optimizer_sd.pop("higgs_residuals", None)
     state = {
         "model": model_sd,
         "optimizer": optimizer_sd,
-        "scheduler": trainer.scheduler.state_dict(),
-        "iteration": trainer.iteration,
-        "consumed_samples": trainer.consumed_samples,
+        "scheduler": training.scheduler.state_dict(),
+        "iteration": training.iteration,
+        "consumed_samples": training.consumed_samples,
     }
     if per_rank:
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,7 +1,8 @@
 """Every rule a checkpoint must pass before anything is loaded, in one place.
 
 * ``layout_differences``: what differs between the saved layout and the current one, each
-  named ("tensor-model-parallel size: checkpoint 2, now 1"); ``same-sharding`` refuses any.
+  named ("tensor-model-parallel size: checkpoint 2, now 1"); ``check_layout``: under
+  ``same-sharding`` any difference refuses the checkpoint, under ``reshard`` none does.
 * ``uncovered_shards``: for ``reshard``, the shards this rank needs that the saved shards do
   not tile completely (same key and global shape, intersection volume = needed volume).
 * ``verify_files``: SHA-256 of the files a rank is asked to check against the rank map; a
@@ -14,7 +15,9 @@ import hashlib
 import math
 from pathlib import Path
 
-from .manifest import FileRecord, Layout, Manifest, ShardRecord
+from .manifest import CheckpointError, FileRecord, Layout, Manifest, ShardRecord
+
+RECOVERY_MODES = ("same-sharding", "reshard")
 
 _LAYOUT_NAMES = {
     "world_size": "world size",
@@ -36,6 +39,18 @@ def _show(value) -> str:
 def layout_differences(saved: Layout, now: Layout) -> list[str]:
     return [f"{label}: checkpoint {_show(getattr(saved, name))}, now {_show(getattr(now, name))}"
             for name, label in _LAYOUT_NAMES.items() if getattr(saved, name) != getattr(now, name)]
+
+
+def check_layout(path: Path, saved: Layout, now: Layout, recovery_mode: str) -> list[str]:
+    """The differences between ``saved`` and ``now``; raises ``CheckpointError`` naming each when
+    ``recovery_mode`` is ``same-sharding`` and there are any."""
+    if recovery_mode not in RECOVERY_MODES:
+        raise CheckpointError(f"--recovery-mode {recovery_mode!r}: expected one of {', '.join(RECOVERY_MODES)}")
+    differences = layout_differences(saved, now)
+    if differences and recovery_mode == "same-sharding":
+        raise CheckpointError(f"{path} was saved with another layout; --recovery-mode same-sharding refuses to load "
+                              "it (use --recovery-mode reshard to move to this layout):\n  " + "\n  ".join(differences))
+    return differences
 
 
 def _intersection_volume(a: ShardRecord, b: ShardRecord) -> int:

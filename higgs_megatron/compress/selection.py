@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+MIN_RANK = 32  # the sample's rank of the estimated threshold, at least
 # A prime larger than any bucket: i -> (i * prime + offset) mod n visits distinct coordinates
 # spread over the whole tensor (a strided sample would alias with a matrix's row length).
 _SAMPLE_PRIME = 2_654_435_761
@@ -113,6 +114,9 @@ class SampledTopK(Selector):
         slots for ``capacity * oversample * k`` of them. ``seed`` seeds the host generator that
         places the sample (a different one per rank is fine: selection is per rank)."""
         super().__init__()
+        if capacity * oversample < 1:
+            raise ValueError(f"capacity x oversample must be at least 1 (slots for k candidates); got "
+                             f"{capacity} x {oversample}")
         self.sample_fraction = sample_fraction
         self.min_sample = min_sample
         self.oversample = oversample
@@ -122,7 +126,10 @@ class SampledTopK(Selector):
     def _threshold(self, magnitudes: torch.Tensor, k: int) -> torch.Tensor:
         """The estimated ``oversample * k``-th largest magnitude (a 0-d device tensor)."""
         n = magnitudes.numel()
-        size = min(n, max(self.min_sample, int(n * self.sample_fraction)))
+        # Large enough that the threshold is about the MIN_RANK-th of the sample, not the 3rd:
+        # a small k would otherwise leave it to chance whether k candidates pass.
+        size = min(n, max(self.min_sample, int(n * self.sample_fraction),
+                          math.ceil(MIN_RANK * n / (self.oversample * k))))
         sample_at = (torch.arange(size, device=magnitudes.device) * _SAMPLE_PRIME + self.offsets.randrange(n)) % n
         rank = min(size, max(1, math.ceil(size * self.oversample * k / n)))
         return torch.topk(magnitudes.index_select(0, sample_at), rank, sorted=False).values.min()
@@ -134,15 +141,17 @@ class SampledTopK(Selector):
             return Selection(torch.topk(magnitudes, k, sorted=False).indices)
         capacity = min(n, math.ceil(self.capacity * self.oversample * k))
         # Zeros never pass (sending one changes nothing): a gradient with fewer than k nonzero
-        # coordinates sends all of them and pads, instead of overflowing with zeros.
-        threshold = self._threshold(magnitudes, k).clamp(min=torch.finfo(magnitudes.dtype).tiny)
-        above = torch.cumsum(magnitudes >= threshold, 0, dtype=torch.int32)
-        found = above.narrow(0, n - 1, 1)
-        # Slot j takes the ceil(j * stride)-th coordinate above the threshold: each of them while
-        # they fit, an even subsample when there are more (float64: exact for any bucket size).
-        stride = (found.double() / capacity).clamp_(min=1.0)
-        wanted = (torch.arange(1, capacity + 1, device=magnitudes.device, dtype=torch.float64) * stride).ceil_()
-        wanted = wanted.to(torch.int32)
+        # coordinates sends all of them and pads, instead of overflowing with zeros. The floor
+        # is the dtype's smallest positive value, subnormals included.
+        finfo = torch.finfo(magnitudes.dtype)
+        threshold = self._threshold(magnitudes, k).clamp(min=finfo.tiny * finfo.eps)
+        count_dtype = torch.int32 if n < 2 ** 31 else torch.int64
+        above = torch.cumsum(magnitudes >= threshold, 0, dtype=count_dtype)
+        found = above.narrow(0, n - 1, 1).long()
+        # Slot j (1-based) takes the ceil(j * found / capacity)-th coordinate above the threshold
+        # when more than capacity passed (an even subsample), else the j-th: integer arithmetic.
+        slots = torch.arange(1, capacity + 1, device=magnitudes.device, dtype=torch.int64)
+        wanted = torch.where(found > capacity, (slots * found + capacity - 1) // capacity, slots).to(count_dtype)
         candidates = torch.searchsorted(above, wanted).clamp_(max=n - 1)
         real = wanted <= found
         scores = torch.where(real, magnitudes.index_select(0, candidates), -1.0)

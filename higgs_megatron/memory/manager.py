@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..checkpoint.state import torch_optimizers
+from ..optimizer import torch_optimizers
 from .policy import Decision, decide
 from .probe import MemoryProbe
 from .tiers import Away, FileTier, HostTier
@@ -146,7 +146,6 @@ class MemoryManager:
         self.away: frozenset[int] = frozenset()
         self.parked: dict[int, list[Away]] = {}
         self.steps = 0
-        self.history: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []  # (step, sent, returned)
         if config.device == "nvme":
             self.tier: HostTier | FileTier = FileTier(Path(config.directory) / f"rank{_rank()}")
         else:
@@ -198,7 +197,6 @@ class MemoryManager:
             decision = replace(decision, sent=tuple(i for i in decision.sent if i in self.away))
         self.probe.reset()
         if decision.sent or decision.returned:
-            self.history.append((self.steps, decision.sent, decision.returned))
             self._report(decision, reading.fraction, sizes)
         self.steps += 1
         return result

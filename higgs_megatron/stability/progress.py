@@ -36,9 +36,6 @@ def describe(stalled: list[dict], timeout: float) -> str:
     return message
 
 
-PHASES = ("start", "forward-backward", "grad-sync", "vote", "optimizer", "checkpoint", "evaluation", "done")
-
-
 def job_store(prefix: str) -> dist.Store:
     """A store client of this job, under ``prefix`` (include the restart count: keys of an
     earlier attempt of the job must not be read as this one's)."""

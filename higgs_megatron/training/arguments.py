@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Sequence
 
 import torch
 
+from ..checkpoint.flags import add_rank_map_args
+from ..logs import setup_logging
 from ..config import add_higgs_args, compression_flags_given, higgs_config_from_args
 from ..memory import OffloadError
 from ..memory.flags import add_offload_args, offload_config_from_args
@@ -129,17 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (and at the end of training)")
     g.add_argument("--save-interval", type=int, default=None, metavar="ITERS", help="save every N iterations")
-    g.add_argument("--checkpoint-interval", type=float, default=None, metavar="SECONDS",
-                   help="also save when this much wall-clock time has passed since the last save "
-                        "(decided together by all ranks)")
-    g.add_argument("--async-checkpoint", action="store_true",
-                   help="the loop pays only for planning the save; the host copy (done before the next optimizer "
-                        "step), writing, hashing and commit run in the background")
     g.add_argument("--load", default=None, metavar="DIR", help="resume from the latest committed checkpoint here")
-    g.add_argument("--recovery-mode", choices=("same-sharding", "reshard"), default="same-sharding",
-                   help="same-sharding: refuse a checkpoint saved with another layout; reshard: move to this one")
-    g.add_argument("--checkpoint-version", type=int, default=None, metavar="ITER",
-                   help="load this committed checkpoint instead of the latest")
+    add_rank_map_args(g, async_help="the loop pays only for planning the save; the host copy (done before the next "
+                                    "optimizer step), writing, hashing and commit run in the background")
     g.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep only the newest N checkpoints")
     g.add_argument("--auto-resume", action="store_true",
                    help="resume from the latest committed checkpoint in --save if there is one (--load defaults "
@@ -317,4 +310,4 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
 def report_usage_error(error: UsageError) -> None:
     """Print the message once per job (on the launcher's rank 0)."""
     if launcher_rank() == 0:
-        print(error.message, file=sys.stderr, flush=True)
+        setup_logging().error(error.message)

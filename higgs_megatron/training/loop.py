@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,11 +34,15 @@ from ..callbacks import Callback, TensorBoardCallback, WandbCallback
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.async_save import AsyncCheckpointer
-from ..checkpoint.save import SaveResult, save_checkpoint
-from ..checkpoint.state import torch_optimizers
+from ..checkpoint.commit import SaveResult
+from ..checkpoint.interval import WallClockInterval
+from ..checkpoint.save import save_checkpoint
+from ..checkpoint.state import TrainingState
+from ..optimizer import torch_optimizers
 from ..cpu import cpu_megatron
-from ..ddp import HiggsDDP, SyncAbandoned, dense_bytes_per_step
+from ..ddp import HiggsDDP, SyncAbandoned, sync_traffic
 from ..device import collective_device, model_device, to_device
+from ..logs import get_logger, setup_logging
 from ..memory import MemoryManager, make_probe
 from ..memory.flags import apply_block_allocator
 from ..optimizer import wrap_optimizer
@@ -53,12 +56,14 @@ from .parallel import destroy_parallel, init_parallel, local_world_size, set_see
 from .resilience import Resilience, peer_lost
 
 
+log = get_logger(__name__)
+
+
 @dataclass
 class TrainResult:
     """Per-iteration history, as seen by this rank (losses only on the last pipeline stage)."""
 
     losses: dict[int, float] = field(default_factory=dict)
-    grad_norms: dict[int, float] = field(default_factory=dict)
     valid_losses: dict[int, float] = field(default_factory=dict)
     step_times: dict[int, float] = field(default_factory=dict)
     tokens_per_second: dict[int, float] = field(default_factory=dict)
@@ -88,6 +93,7 @@ class Trainer:
     """Owns one job's state; ``train()`` runs the loop and returns the history."""
 
     def __init__(self, args: argparse.Namespace, callbacks: list[Callback] | None = None) -> None:
+        setup_logging()
         self.args = args
         self.rank = dist.get_rank()
         is_writer = self.rank == dist.get_world_size() - 1
@@ -99,7 +105,7 @@ class Trainer:
 
         started = time.monotonic()
         corpus = build_corpus(args.data_path, args.data_cache_path,
-                              progress=lambda line: print(f"[rank {self.rank}] {line}", flush=True))
+                              progress=lambda line: log.info(f"[rank {self.rank}] {line}"))
         self.corpus = corpus
         evals = args.train_iters // args.eval_interval + 1
         self.datasets = build_datasets(
@@ -165,7 +171,8 @@ class Trainer:
         self.checkpointer = AsyncCheckpointer() if args.async_checkpoint else None
         if args.load:
             self._load()
-        self._saved_at = (self.iteration, time.monotonic())
+        self._saved_at = self.iteration
+        self.wall_clock = WallClockInterval(args.checkpoint_interval) if args.checkpoint_interval else None
 
     def _log_sync_plan(self) -> None:
         """What --higgs-sync auto measured and chose, per bucket (the logging rank's stage)."""
@@ -181,14 +188,25 @@ class Trainer:
             self.log.event("higgs_sync_plan", f" higgs sync auto: links {costs.describe()}; buckets: {choices}",
                            costs=costs.to_dict(), buckets=chunk.higgs_sync_report)
 
+    def training_state(self) -> TrainingState:
+        """What a checkpoint saves and restores, named (see ``checkpoint.state``)."""
+        return TrainingState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                             iteration=self.iteration, consumed_samples=self.consumed_samples,
+                             use_distributed_optimizer=self.args.use_distributed_optimizer,
+                             higgs=self.args.higgs_config.to_dict() if self.args.use_higgs else None)
+
     def _load(self) -> None:
         args = self.args
         started = time.perf_counter()
-        loaded = load_checkpoint(self, args.load, args.recovery_mode, args.checkpoint_version)
+        training = self.training_state()
+        loaded = load_checkpoint(training, args.load, args.recovery_mode, args.checkpoint_version)
         if loaded is None:
             self.log.event("checkpoint_not_found", f" no committed checkpoint in {args.load}: starting from scratch",
                            path=args.load)
             return
+        self.iteration, self.consumed_samples = training.iteration, training.consumed_samples
+        if loaded.warning:
+            self.log.event("checkpoint_pointer_not_committed", f" WARNING: {loaded.warning}", path=str(loaded.path))
         self.log.event("checkpoint_validated", f" rank map of {loaded.path} validated "
                        f"({'resharded from ' + str(loaded.manifest.layout) if loaded.resharded else 'same sharding'})",
                        path=str(loaded.path), resharded=loaded.resharded)
@@ -207,17 +225,19 @@ class Trainer:
         self.resilience.phase(self.iteration, "checkpoint")
         if self.checkpointer is None:
             self.log.event("save_started", iteration=self.iteration)
-            self._committed([save_checkpoint(self, self.args.save, self.args.keep_last)])
+            self._committed([save_checkpoint(self.training_state(), self.args.save, self.args.keep_last)])
         else:
             self._committed(self.checkpointer.wait())
             self.log.event("save_started", iteration=self.iteration)
             started = time.perf_counter()
-            self.checkpointer.start(self, self.args.save, self.args.keep_last)
+            self.checkpointer.start(self.training_state(), self.args.save, self.args.keep_last)
             stall = time.perf_counter() - started
             self.log.event("checkpoint_started_in_background", f" iteration {self.iteration}: save planned; the host "
                            f"copy, writing and hashing run in the background; the loop paid {stall * 1000:.0f} ms",
                            iteration=self.iteration, stall_seconds=stall)
-        self._saved_at = (self.iteration, time.monotonic())
+        self._saved_at = self.iteration
+        if self.wall_clock is not None:
+            self.wall_clock.reset()
         if self.memory is not None:
             if self.checkpointer is not None:
                 self.checkpointer.before_update()
@@ -231,18 +251,13 @@ class Trainer:
 
     def _save_due(self) -> bool:
         """``--save-interval`` by iteration count; ``--checkpoint-interval`` by wall clock, agreed
-        on by all ranks (a MAX all-reduce: the first rank whose clock says so decides)."""
+        on by all ranks (``checkpoint.interval``)."""
         args = self.args
         if not args.save:
             return False
         if args.save_interval and self.iteration % args.save_interval == 0:
             return True
-        if args.checkpoint_interval:
-            due = torch.tensor([float(time.monotonic() - self._saved_at[1] >= args.checkpoint_interval)],
-                               device=collective_device())
-            dist.all_reduce(due, op=dist.ReduceOp.MAX)
-            return bool(due.item())
-        return False
+        return self.wall_clock is not None and self.wall_clock.due()
 
     def finish_saves(self) -> None:
         """At the end of training: pending saves finish (every rank)."""
@@ -326,17 +341,8 @@ class Trainer:
 
     def _traffic(self) -> tuple[int, int, float, float]:
         """This step's (bytes handed to collectives, dense-equivalent bytes, compress s, density)."""
-        sent = dense = 0
-        seconds, density = 0.0, 1.0
-        for chunk in self.model:
-            if isinstance(chunk, HiggsDDP):
-                stats = chunk.take_stats()
-                sent, dense = sent + stats.bytes_sent, dense + stats.dense_bytes
-                seconds, density = seconds + stats.compress_seconds, stats.density
-            else:
-                sent += dense_bytes_per_step(chunk)
-                dense += dense_bytes_per_step(chunk)
-        return sent, dense, seconds, density
+        stats = sync_traffic(self.model)
+        return stats.bytes_sent, stats.dense_bytes, stats.compress_seconds, stats.density
 
     def _check_replicas(self) -> None:
         """Megatron's own check: every DP replica holds bitwise-identical parameters."""
@@ -366,8 +372,6 @@ class Trainer:
             result.tokens_per_second[self.iteration] = tokens / step_time
             if loss is not None:
                 result.losses[self.iteration] = loss
-            if grad_norm is not None:
-                result.grad_norms[self.iteration] = float(grad_norm)
             interval = args.check_weight_hash_across_dp_replicas_interval
             if interval and self.iteration % interval == 0:
                 self._check_replicas()
@@ -408,7 +412,7 @@ class Trainer:
                 paused = time.perf_counter()
                 self.save()
                 window.excluded += time.perf_counter() - paused
-        if args.save and self._saved_at[0] != self.iteration:
+        if args.save and self._saved_at != self.iteration:
             self.save()
         self.finish_saves()
         return result
@@ -552,6 +556,7 @@ def pretrain(argv: Sequence[str] | None = None, **trainer_kwargs) -> TrainResult
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: parse, validate, train. Bad input: one message, exit status 2."""
+    setup_logging()
     try:
         pretrain(argv)
     except UsageError as error:
@@ -559,15 +564,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return error.code
     except CheckpointError as error:
         if dist_rank_or_launcher() == 0:
-            print(f"checkpoint error: {error}", file=sys.stderr, flush=True)
+            log.error(f"checkpoint error: {error}")
         return EXIT_CHECKPOINT
     except RuntimeError as error:
         if not (peer_lost(error) or isinstance(error, SyncAbandoned)):
             raise
         what = "the gradient sync was abandoned" if isinstance(error, SyncAbandoned) else "a peer rank is gone"
-        print(f"[rank {dist_rank_or_launcher()}] {what} ({str(error).splitlines()[0][:200]}); "
-              f"exiting with status {EXIT_PEER_LOST} so that torchrun --max-restarts restarts the job "
-              "(with --auto-resume it resumes from the latest committed checkpoint)", file=sys.stderr, flush=True)
+        log.error(f"[rank {dist_rank_or_launcher()}] {what} ({str(error).splitlines()[0][:200]}); "
+                  f"exiting with status {EXIT_PEER_LOST} so that torchrun --max-restarts restarts the job "
+                  "(with --auto-resume it resumes from the latest committed checkpoint)")
         return EXIT_PEER_LOST
     return 0
 

@@ -11,12 +11,14 @@ also go to the ``callbacks`` (TensorBoard, W&B, a user's own: ``higgs_megatron.c
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from typing import Any, TextIO
 
 from ..callbacks import Callback
+from ..logs import get_logger
+
+log = get_logger(__name__)
 
 
 def _format_value(key: str, value: Any) -> str:
@@ -33,14 +35,20 @@ class MetricsLogger:
     def __init__(self, is_writer: bool, log_json: str | None = None, callbacks: list[Callback] | None = None,
                  stream: TextIO | None = None) -> None:
         self.is_writer = is_writer
-        self.stream = stream or sys.stdout
+        self.stream = stream  # None: the package's logger (``logs``)
         self._json = open(log_json, "a", buffering=1) if (is_writer and log_json) else None
         self.callbacks = list(callbacks or []) if is_writer else []
         self._lock = threading.Lock()  # the watchdog's thread logs too
 
     def print(self, message: str) -> None:
-        if self.is_writer:
-            print(message, file=self.stream, flush=True)
+        """A log line, on the writing rank: to ``stream`` if one was given, else the logger."""
+        if not self.is_writer:
+            return
+        if self.stream is not None:
+            self.stream.write(message + "\n")
+            self.stream.flush()
+        else:
+            log.info(message)
 
     def iteration(self, iteration: int, train_iters: int, fields: dict[str, Any]) -> None:
         """One Megatron-style line, one JSON record and TensorBoard scalars for an iteration."""

@@ -25,11 +25,14 @@ import time
 import torch.distributed as dist
 
 from ..ddp import HiggsDDP
+from ..logs import get_logger
 from ..stability.alignment import AlignmentLog, StepVote
 from ..stability.faults import Fault, FaultInjector
 from ..stability.progress import ProgressBoard, Watchdog, job_store
 from .metrics import MetricsLogger
 
+
+log = get_logger(__name__)
 
 _PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
 
@@ -95,7 +98,7 @@ class Resilience:
         return self.injector.before_step(iteration, on_fire=self._fired)
 
     def _fired(self, fault: Fault) -> None:
-        print(f" [rank {self.rank}] injecting fault {fault} at iteration {fault.iteration}", flush=True)
+        log.info(f" [rank {self.rank}] injecting fault {fault} at iteration {fault.iteration}")
         self.log.event("fault_injected", fault=str(fault), kind=fault.kind, rank=fault.rank,
                        iteration=fault.iteration)
 

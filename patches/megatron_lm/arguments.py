@@ -25,12 +25,12 @@ import argparse
 import math
 from typing import Callable
 
+from higgs_megatron.checkpoint.flags import add_rank_map_args
 from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from_args
 from higgs_megatron.given_flags import flags_given
 from higgs_megatron.memory import OffloadError
 from higgs_megatron.memory.flags import add_offload_args, offload_config_from_args
 
-RECOVERY_MODES = ("same-sharding", "reshard")
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 
@@ -48,15 +48,7 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return parser
     add_higgs_args(parser, weight_hash_check=not _has_flag(parser, "--check-weight-hash-across-dp-replicas-interval"))
     g = parser.add_argument_group("higgs: checkpoints with a rank map (with --use-higgs)")
-    g.add_argument("--recovery-mode", choices=RECOVERY_MODES, default=None,
-                   help="on --load: same-sharding (the default) refuses a checkpoint saved with another layout, "
-                        "naming each difference; reshard loads it into this layout")
-    g.add_argument("--checkpoint-version", type=int, default=None,
-                   help="load the committed checkpoint of this iteration instead of the latest")
-    g.add_argument("--async-checkpoint", action="store_true",
-                   help="write checkpoints in the background (Megatron-LM's --async-save)")
-    g.add_argument("--checkpoint-interval", type=float, default=None,
-                   help="also save every SECONDS of wall-clock time, decided by all ranks together")
+    add_rank_map_args(g, async_help="write checkpoints in the background (Megatron-LM's --async-save)")
     add_offload_args(parser)
     return parser
 
@@ -151,5 +143,4 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
         args.use_persistent_ckpt_worker = True
     if args.use_distributed_optimizer and not getattr(args, "distrib_optim_fully_reshardable_mem_efficient", False):
         args.dist_ckpt_optim_fully_reshardable = True
-    args.recovery_mode = args.recovery_mode or "same-sharding"
     return config  # kept off ``args``: Megatron-LM pickles args into checkpoints, read back weights-only

@@ -32,11 +32,10 @@ Two stages:
 from __future__ import annotations
 
 import atexit
+import logging
 import functools
 import inspect
 import os
-import sys
-import time
 from typing import Any, Callable
 
 import torch
@@ -48,7 +47,10 @@ import megatron.training.initialize as initialize
 import megatron.training.training as training
 
 from higgs_megatron import HiggsConfig, HiggsDDP, wrap_optimizer
+from higgs_megatron.checkpoint.interval import WallClockInterval
+from higgs_megatron.ddp import sync_traffic
 from higgs_megatron.device import collective_device
+from higgs_megatron.logs import get_logger, log_single_rank, setup_logging
 from higgs_megatron.memory import MemoryManager, make_probe
 from higgs_megatron.memory.flags import apply_block_allocator, offload_config_from_args
 
@@ -59,6 +61,8 @@ from .rank_map import RankMapHooks
 EXIT_USAGE = 2
 _originals: dict[tuple[Any, str], Any] = {}
 
+
+log = get_logger("higgs_megatron.patches.install")
 
 def _rebind(owner: Any, name: str, value: Any) -> None:
     _originals.setdefault((owner, name), getattr(owner, name))
@@ -102,7 +106,7 @@ def _parse_args(*args: Any, **kwargs: Any) -> Any:
         config = translate_args(parsed)
     except PatchUsageError as error:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+            setup_logging().error(f"pretrain_gpt.py: error: {error}")
         raise SystemExit(EXIT_USAGE) from None
     if config is not None:
         activate(parsed, config)
@@ -136,9 +140,10 @@ def activate(args: Any, config: HiggsConfig) -> None:
             functools.partial(hooks.schedule_async_save, original(checkpointing, "schedule_async_save")))
     if args.checkpoint_interval is not None:
         _rebind(training, "checkpoint_and_decide_exit", _IntervalSaver(args.checkpoint_interval))
+    setup_logging()
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f" [higgs] HiggsDDP replaces Megatron's DDP ({config.compressor}, density {config.compression_ratio}, "
-              f"sync {config.sync}); checkpoints carry a rank map (--recovery-mode {args.recovery_mode})", flush=True)
+        log.info(f" [higgs] HiggsDDP replaces Megatron's DDP ({config.compressor}, density {config.compression_ratio}, "
+                 f"sync {config.sync}); checkpoints carry a rank map (--recovery-mode {args.recovery_mode})")
 
 
 _memory: MemoryManager | None = None
@@ -155,16 +160,15 @@ def _get_megatron_optimizer(config: Any, model_chunks: list, *args: Any, **kwarg
         _memory = MemoryManager(optimizer, model_chunks, offload, make_probe(margs.higgs_offload_schedule),
                                 on_event=_offload_event).attach()
         atexit.register(_memory.close)  # state back, the nvme tier's files removed
-        if dist.get_rank() == 0:
-            print(f" [higgs] optimizer state leaves the device above {offload.threshold:.0%} of its memory, returns "
-                  f"below {offload.threshold - offload.hysteresis:.0%} (tier {offload.device})", flush=True)
+        log_single_rank(log, logging.INFO, f" [higgs] optimizer state leaves the device above {offload.threshold:.0%} of "
+                        f"its memory, returns below {offload.threshold - offload.hysteresis:.0%} (tier {offload.device})")
     return optimizer
 
 
 def _offload_event(name: str, message: str, **fields: Any) -> None:
     """Moves differ per rank (each reads its own device): every rank prints its own."""
     iteration = getattr(megatron_training.get_args(), "curr_iteration", 0) + 1
-    print(f" [higgs] [rank {dist.get_rank()}] iteration {iteration}: {name}:{message}", flush=True)
+    log.info(f" [higgs] [rank {dist.get_rank()}] iteration {iteration}: {name}:{message}")
 
 
 def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -180,15 +184,12 @@ def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
 
 def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *args: Any, **kwargs: Any) -> tuple:
     result = original(training, "train_step")(forward_step_func, data_iterator, model, *args, **kwargs)
-    sent = dense = seconds = 0.0
-    density = 1.0
-    for chunk in model:
-        stats = chunk.take_stats()
-        sent, dense, seconds, density = sent + stats.bytes_sent, dense + stats.dense_bytes, \
-            seconds + stats.compress_seconds, stats.density
-    totals = torch.tensor([sent, dense, seconds], dtype=torch.float64, device=collective_device())
+    stats = sync_traffic(model)
+    totals = torch.tensor([stats.bytes_sent, stats.dense_bytes, stats.compress_seconds], dtype=torch.float64,
+                          device=collective_device())
     dist.all_reduce(totals)  # every rank, every step: the sum over the pipeline stages' chunks
     totals /= dist.get_world_size()
+    density = stats.density
     loss_dict = result[0]
     if loss_dict:  # the last pipeline stage logs; Megatron-LM reads these at its log interval
         device = next(iter(loss_dict.values())).device
@@ -204,19 +205,17 @@ class _IntervalSaver:
     """``checkpoint_and_decide_exit`` that also saves every ``seconds`` of wall-clock time."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.last = time.monotonic()
+        self.interval = WallClockInterval(seconds)
 
     def __call__(self, model: Any, optimizer: Any, scheduler: Any, iteration: int, flops: Any,
                  checkpointing_context: Any, train_data_iterator: Any) -> bool:
         args = megatron_training.get_args()
-        due = torch.tensor([1.0 if time.monotonic() - self.last >= self.seconds else 0.0], device=collective_device())
-        dist.all_reduce(due, op=dist.ReduceOp.MAX)  # one rank's clock decides for all
+        due = self.interval.due()
         regular = bool(args.save_interval) and iteration % args.save_interval == 0
-        if due.item() > 0 and not regular:
+        if due and not regular:
             training.save_checkpoint_and_time(iteration, model, optimizer, scheduler, flops, checkpointing_context,
                                               train_data_iterator=train_data_iterator)
-        if due.item() > 0 or regular:
-            self.last = time.monotonic()
+        if due or regular:
+            self.interval.reset()
         return original(training, "checkpoint_and_decide_exit")(
             model, optimizer, scheduler, iteration, flops, checkpointing_context, train_data_iterator)

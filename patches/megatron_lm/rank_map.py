@@ -36,63 +36,45 @@ RNG state follows Megatron-LM's own rule (kept when TP and PP are unchanged).
 
 from __future__ import annotations
 
-import socket
+import logging
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
-from higgs_megatron import HiggsConfig, __version__
-from higgs_megatron.checkpoint.load import agree
-from higgs_megatron.checkpoint.manifest import CheckpointError, Layout, Manifest, RankRecord, ShardRecord
+from higgs_megatron import HiggsConfig
+from higgs_megatron.checkpoint.commit import PendingCheckpoint, commit, common_files, hash_files, shard_files
+from higgs_megatron.checkpoint.layout import current_layout
+from higgs_megatron.checkpoint.load import agree, choose_checkpoint
+from higgs_megatron.checkpoint.manifest import Manifest
 from higgs_megatron.checkpoint.optimizer_shards import owner_written_optimizer_state
-from higgs_megatron.checkpoint.save import (checkpoint_name, committed_checkpoints, common_files, current_coords,
-                                            current_layout, hash_files, megatron_core_version, shard_files)
 from higgs_megatron.checkpoint.state import (prepare_fresh_optimizer_for_load, shard_records, tolerate_torch_adam_step,
                                              untie_adam_steps)
-from higgs_megatron.checkpoint.validation import layout_differences, uncovered_shards, verify_files
+from higgs_megatron.checkpoint.validation import check_layout, uncovered_shards, verify_files
+from higgs_megatron.logs import get_logger, log_single_rank
+
+log = get_logger("higgs_megatron.patches.rank_map")
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-@dataclass
 class PendingRankMap:
-    """A save whose files are being written; ``commit`` writes its rank map (collective)."""
-    directory: Path
-    iteration: int
-    consumed_samples: int
-    layout: Layout
-    higgs: dict | None
-    started: float
-    shards: list[ShardRecord] = field(default_factory=list)
-    committed: bool = False
+    """A Megatron-LM save whose files are being written; ``commit`` (collective) hashes this
+    rank's files and commits the rank map through ``higgs_megatron.checkpoint.commit``."""
 
-    def commit(self) -> Manifest | None:
-        rank = dist.get_rank()
-        files = hash_files(shard_files(rank, self.directory) + common_files(rank, self.directory))
-        record = RankRecord(rank=rank, host=socket.gethostname(), coords=current_coords(), files=files,
-                            shards=self.shards)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, record)
-        manifest = Manifest(
-            iteration=self.iteration, consumed_samples=self.consumed_samples, layout=self.layout, ranks=gathered,
-            higgs=self.higgs, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            versions={"higgs_megatron": __version__, "megatron_core": megatron_core_version(),
-                      "torch": torch.__version__})
-        if rank == 0:
-            manifest.write(self.directory)
-        dist.barrier()
+    def __init__(self, checkpoint: PendingCheckpoint) -> None:
+        self.checkpoint = checkpoint
+        self.shards: list = []
+        self.committed = False
+
+    def commit(self) -> None:
+        rank, directory = dist.get_rank(), self.checkpoint.directory
+        result = commit(self.checkpoint, self.shards, hash_files(shard_files(rank, directory)
+                                                                 + common_files(rank, directory)))
         self.committed = True
-        if rank == 0:
-            total = sum(f.bytes for r in gathered for f in r.files)
-            print(f" [higgs] committed {self.directory} with its rank map ({len(gathered)} ranks, "
-                  f"{total / 1e6:.1f} MB, {time.perf_counter() - self.started:.2f} s after the save started)",
-                  flush=True)
-        return manifest
+        log_single_rank(log, logging.INFO, f" [higgs] committed {directory} with its rank map ({dist.get_world_size()} "
+                        f"ranks, {result.bytes / 1e6:.1f} MB, {result.seconds:.2f} s after the save started)")
 
 
 class RankMapHooks:
@@ -103,6 +85,7 @@ class RankMapHooks:
         self.config = config
         self.pending: PendingRankMap | None = None
         self.loading: Manifest | None = None   # set while Megatron-LM loads a resharded checkpoint
+        self.loading_path: Path | None = None
         self.loaded: Manifest | None = None
         self.saved_iterations: set[int] = set()
 
@@ -114,15 +97,13 @@ class RankMapHooks:
         if int(iteration) in self.saved_iterations:
             # A wall-clock save at the last iteration, then Megatron-LM's final save of the same
             # state: rewriting a committed checkpoint in place would put it at risk for nothing.
-            if dist.get_rank() == 0:
-                print(f" iteration {iteration} is already saved by this run; not saving it again", flush=True)
+            log_single_rank(log, logging.INFO, f" iteration {iteration} is already saved by this run; not saving it again")
             return None
         a = self.args
-        self.pending = PendingRankMap(
-            directory=Path(a.save) / checkpoint_name(iteration), iteration=int(iteration),
-            consumed_samples=int(getattr(a, "consumed_train_samples", 0)),
-            layout=current_layout(a.use_distributed_optimizer), higgs=self.config.to_dict(),
-            started=time.perf_counter())
+        self.pending = PendingRankMap(PendingCheckpoint(
+            iteration=int(iteration), consumed_samples=int(getattr(a, "consumed_train_samples", 0)),
+            layout=current_layout(a.use_distributed_optimizer), higgs=self.config.to_dict(), save_dir=Path(a.save),
+            in_place=True, started=time.perf_counter()))
         with owner_written_optimizer_state():
             result = original(iteration, *args, **kwargs)
         if not a.async_save:
@@ -143,8 +124,7 @@ class RankMapHooks:
             self.pending.shards = shard_records(state)
         elif is_loading and self.loading is not None:
             agree(uncovered_shards(self.loading, shard_records(state, main_replica_only=False)),
-                   f"{Path(self.args.load) / checkpoint_name(self.loading.iteration)} cannot be resharded to "
-                   "this layout")
+                  f"{self.loading_path} cannot be resharded to this layout")
         return state
 
     # --- load -----------------------------------------------------------------------
@@ -155,22 +135,21 @@ class RankMapHooks:
         load_dir = getattr(a, load_arg, None)
         if load_arg != "load" or not load_dir:
             return original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)
-        path = choose_checkpoint(Path(load_dir), a.checkpoint_version)
+        path, warning = choose_checkpoint(Path(load_dir), a.checkpoint_version, pointer=TRACKER)
         if path is None:
             return original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)  # nothing saved yet
+        if warning:
+            log_single_rank(log, logging.WARNING, f" [higgs] warning: {warning}")
         manifest = Manifest.read(path)
-        differences = layout_differences(manifest.layout, current_layout(a.use_distributed_optimizer))
-        if differences and a.recovery_mode == "same-sharding":
-            raise CheckpointError(f"{path} was saved with another layout; --recovery-mode same-sharding refuses "
-                                  "to load it (use --recovery-mode reshard to move to this layout):\n  "
-                                  + "\n  ".join(differences))
+        differences = check_layout(path, manifest.layout, current_layout(a.use_distributed_optimizer),
+                                   a.recovery_mode)
         agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()),
-               f"{path} failed its integrity check")
+              f"{path} failed its integrity check")
         a.ckpt_step = manifest.iteration
         resharded = bool(differences)
         if hasattr(optimizer, "skip_residuals_on_load"):
             optimizer.skip_residuals_on_load = resharded
-        self.loading = manifest if resharded else None
+        self.loading, self.loading_path = (manifest, path) if resharded else (None, None)
         # megatron-core 0.16.1's distributed optimizer on torch Adam (no TE/Apex) cannot load into a
         # fresh optimizer nor fill fully_reshardable state without these (see checkpoint.state).
         if optimizer is not None:
@@ -185,37 +164,8 @@ class RankMapHooks:
         self.loaded = manifest
         if a.save and Path(a.save).resolve() == Path(load_dir).resolve():
             self.saved_iterations.add(manifest.iteration)  # committed already: a save of it again is skipped
-        if dist.get_rank() == 0:
-            how = "resharded: " + "; ".join(differences) if resharded else "same sharding"
-            print(f" [higgs] loaded {path}: rank map and {sum(len(r.files) for r in manifest.ranks)} file hashes "
-                  f"checked ({how})", flush=True)
+        how = "resharded: " + "; ".join(differences) if resharded else "same sharding"
+        log_single_rank(log, logging.INFO, f" [higgs] loaded {path}: rank map and "
+                        f"{sum(len(r.files) for r in manifest.ranks)} file hashes checked ({how})")
         return result
 
-
-def choose_checkpoint(load_dir: Path, version: int | None) -> Path | None:
-    """The committed checkpoint to load (see the module docstring); None when there is none."""
-    committed = committed_checkpoints(load_dir)
-    if version is not None:
-        if version not in committed:
-            raise CheckpointError(f"--checkpoint-version {version}: {load_dir / checkpoint_name(version)} is not a "
-                                  f"committed checkpoint (committed: {', '.join(map(str, committed)) or 'none'})")
-        return load_dir / checkpoint_name(version)
-    tracker = load_dir / TRACKER
-    named = None
-    if tracker.exists():
-        text = tracker.read_text().strip()
-        named = int(text) if text.isdigit() else None
-    if named is not None and named in committed:
-        return load_dir / checkpoint_name(named)
-    uncommitted = [p.name for p in load_dir.glob("iter_*") if p.is_dir() and not (p / "rank_map.json").exists()]
-    if not committed:
-        if uncommitted:
-            raise CheckpointError(f"{load_dir}: {', '.join(sorted(uncommitted))} has no rank map (saved without "
-                                  "--use-higgs, or interrupted before its commit); load it without --use-higgs, "
-                                  "or start from an empty --load directory")
-        return None
-    chosen = load_dir / checkpoint_name(committed[-1])
-    if dist.get_rank() == 0:
-        print(f" [higgs] warning: {tracker} names iteration {named}, which has no rank map (not committed); "
-              f"loading the newest committed checkpoint, {chosen}", flush=True)
-    return chosen

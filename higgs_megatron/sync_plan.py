@@ -1,0 +1,126 @@
+"""Per-bucket path planning for the compressed sync: pure code, no process group, no Megatron.
+
+For each gradient bucket, ``plan_bucket`` decides once, at construction:
+
+* its compressed **forms**: ``sparse`` (the flat all-gather reduction over the DP group) and,
+  where the DP group spans several nodes with several ranks each, ``hierarchical`` (dense
+  inside the node, this rank's slice compressed across nodes); none for a bucket that always
+  stays dense (compressor ``none``, ``sync="dense"``, fewer than ``min_bucket_numel``
+  elements, or ``hierarchical`` on one node);
+* for each form, its ``BucketPlan`` (the selection units and fixed k per density).
+
+Under ``sync="auto"``, ``choose_form`` keeps the form the cost model predicts cheaper at the
+target density; then ``path_at`` gives the path of each step (``dense`` or the form), from the
+agreed link costs, cached per density. Every input is the same on every DP peer, so every peer
+plans the same paths and issues the same collectives with the same sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .compress.plan import BucketPlan, ParamSlot
+from .config import HiggsConfig
+from .cost_model import BucketShape, LinkCosts, cheapest, predict
+from .reduce.hierarchical import slice_range
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """Where this rank sits among the DP group's nodes (``topology.NodeGroups`` without its groups)."""
+
+    nodes: int
+    ranks_per_node: int
+    local_index: int
+
+    @property
+    def single_node(self) -> bool:
+        return self.nodes == 1
+
+
+@dataclass
+class BucketPaths:
+    """One bucket's compressed forms and the path each step takes (see the module docstring)."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    candidates: dict[str, BucketPlan]
+    slice: tuple[int, int] | None  # this rank's [start, end) in the node, with a hierarchical form
+    ranks_per_node: int = 1
+    paths: dict[float, str] = field(default_factory=dict)  # density -> path, under 'auto'
+
+    @property
+    def form(self) -> str | None:
+        """The compressed form this bucket takes when it does not go dense (None: always dense)."""
+        return next(iter(self.candidates), None)
+
+    @property
+    def plan(self) -> BucketPlan | None:
+        return self.candidates.get(self.form) if self.form else None
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+    def shape(self, density: float, forms: tuple[str, ...]) -> BucketShape:
+        """What the cost model needs of this bucket at ``density``, for the given forms."""
+        flat, piece = self.candidates.get("sparse"), self.candidates.get("hierarchical")
+        return BucketShape(
+            bucket_bytes=self.bucket_bytes, numel=self.numel,
+            flat_payload_bytes=flat.payload_bytes(density, self.dtype) if flat and "sparse" in forms else None,
+            slice_numel=piece.numel if piece else 0,
+            slice_payload_bytes=piece.payload_bytes(density, self.dtype) if piece and "hierarchical" in forms
+            else None,
+            ranks_per_node=self.ranks_per_node if piece else 1)
+
+
+def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot], config: HiggsConfig,
+                nodes: NodeShape | None, device: torch.device) -> BucketPaths:
+    """The forms and plans of one bucket (see the module docstring)."""
+    compressible = (config.compressor != "none" and config.sync != "dense" and numel >= config.min_bucket_numel
+                    and not (config.sync == "hierarchical" and (nodes is None or nodes.single_node)))
+    forms = {"auto": ("sparse", "hierarchical"), "sparse": ("sparse",),
+             "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
+    candidates: dict[str, BucketPlan] = {}
+    if "sparse" in forms:
+        candidates["sparse"] = BucketPlan(numel, slots, config.min_param_numel, device)
+    hierarchy = nodes is not None and (config.sync == "hierarchical" or (nodes.nodes > 1 and nodes.ranks_per_node > 1))
+    piece = None
+    if "hierarchical" in forms and hierarchy:  # select within this rank's slice of the node-reduced bucket
+        lo, hi = slice_range(numel, nodes.ranks_per_node, nodes.local_index)
+        candidates["hierarchical"] = BucketPlan(
+            hi - lo, [ParamSlot(max(s.start, lo) - lo, min(s.end, hi) - lo) for s in slots
+                      if s.end > lo and s.start < hi], config.min_param_numel, device)
+        piece = (lo, min(hi, numel))
+    return BucketPaths(name=name, numel=numel, dtype=dtype, candidates=candidates, slice=piece,
+                       ranks_per_node=nodes.ranks_per_node if nodes is not None else 1)
+
+
+def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:
+    """Under 'auto': keep the cheaper compressed form at ``density`` and drop the other plan.
+    Returns what was decided, for the start-up log."""
+    entry = {"bucket": bucket.name, "numel": bucket.numel, "path": "dense", "predicted_ms": {}}
+    if bucket.candidates:
+        predicted = predict(costs, bucket.shape(density, tuple(bucket.candidates)))
+        form = cheapest(predicted, allowed=tuple(bucket.candidates))
+        bucket.candidates = {form: bucket.candidates[form]}
+        if form != "hierarchical":
+            bucket.slice = None
+        entry["path"] = cheapest(predicted, allowed=("dense", form))
+        entry["predicted_ms"] = {path: round(seconds * 1e3, 3) for path, seconds in predicted.items()}
+    return entry
+
+
+def path_at(bucket: BucketPaths, density: float, costs: LinkCosts | None) -> str:
+    """The bucket's path at ``density``: its form under 'sparse'/'hierarchical', the cheaper of
+    dense and its form under 'auto' (``costs`` given), dense when it has no form."""
+    form = bucket.form
+    if form is None or costs is None:
+        return form or "dense"
+    if density not in bucket.paths:
+        predicted = predict(costs, bucket.shape(density, (form,)))
+        bucket.paths[density] = cheapest(predicted, allowed=("dense", form))
+    return bucket.paths[density]
