@@ -30,6 +30,9 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.field = field_name
 
+    def __reduce__(self):  # picklable, for errors that cross process boundaries
+        return ConfigError, (self.field, str(self))
+
 
 def _flag(name: str, help: str, **argparse_kwargs: Any) -> dict:
     """Field metadata: the flag, its help, and what argparse needs beyond type and default."""

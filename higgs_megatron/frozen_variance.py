@@ -5,8 +5,8 @@ coordinate picked once every ~1/density steps arrives as one burst of the gradie
 accumulated. Adam divides each coordinate by the root of its recent squared gradients, so a
 burst is flattened to a few learning-rate steps whatever its size (with beta2 = 0.95, about
 six), while dense Adam would have moved it once per step: error feedback conserves the mass
-and Adam throws it away. Measured (600 iterations, DP=2, 1%): error feedback alone ends 40%
-above dense, worse than no feedback at all.
+and Adam throws it away: error feedback alone ends well above dense, worse than no feedback
+at all (the measurements: ``docs/experiments/convergence.md``).
 
 The remedy is 1-bit Adam's (Tang et al., ICML 2021): train the first ``freeze_step`` steps
 densely with plain Adam, then keep its bias-corrected second moment fixed. From there the
@@ -15,21 +15,17 @@ the gradient, so a burst moves its coordinate exactly as far as the steps it sta
 would have, and error feedback is exact again.
 
 The price of linearity is Adam's self-limiting step: with the second moment fixed, gradients
-that grow (a loss spike) move the weights further, which makes the gradients grow again.
-Measured (1,200 iterations, DP=2, 1%, the benchmark's schedule scaled: dense 300, ramp 400):
-from iteration 500 on the run was unstable (validation loss 2.05 -> 2.73, grad norm spikes
-to 24) and ended at 1.28x dense's loss, while plain Adam ended at 1.05x. So the frozen
-update is capped as Adafactor caps its own (Shazeer & Stern, 2018, update clipping with
-d = 1): per parameter, ``u = m_hat / (sqrt(v_frozen) + eps)`` is scaled down to an RMS of
-``MAX_UPDATE_RMS`` when its RMS is larger. "Parameter" is the tensor this optimizer holds:
+that grow (a loss spike) move the weights further, which makes the gradients grow again,
+and longer runs without a cap became unstable. So the frozen update is capped as Adafactor
+caps its own (Shazeer & Stern, 2018, update clipping with d = 1): per parameter,
+``u = m_hat / (sqrt(v_frozen) + eps)`` is scaled down to an RMS of ``MAX_UPDATE_RMS`` when its
+RMS is larger. "Parameter" is the tensor this optimizer holds:
 with the distributed optimizer or tensor parallelism, this rank's shard of it (each shard
 has one owner, so replicas stay identical, but where a tensor is cut depends on the layout).
 A burst of error feedback touches a small fraction of a tensor's coordinates and usually
 stays below the cap, so bursts remain linear; a tensor whose whole gradient blows up is held
-to Adam's usual step size. With the cap the same run ended at 1.034x; the 600-iteration
-benchmark run was unchanged (1.044x against 1.043x). In the 300-iteration test's
-128K-parameter model, where one selected coordinate is a larger share of a small tensor, the
-cap binds more often and cost 0.6% of loss (1.027x against 1.021x). Single runs each.
+to Adam's usual step size. In a small model, where one selected coordinate is a larger share
+of a small tensor, the cap binds more often and costs a little loss.
 
 A coordinate whose second moment is exactly zero when it freezes had no gradient in the
 whole dense stage (an untied embedding row of a token not yet seen): it has no scale to

@@ -38,8 +38,7 @@ def setup_logging(level: int = logging.INFO) -> logging.Logger:
             handler.setFormatter(logging.Formatter("%(message)s"))
             logger.addHandler(handler)
         logger.propagate = False
-    if logger.level == logging.NOTSET or logger.level > level:
-        logger.setLevel(level)
+        logger.setLevel(level)  # only where these handlers are ours: a user's own level stays
     return logger
 
 

@@ -19,7 +19,6 @@ it needs). Exit status 2: bad flags or checkout; 1: a checkpoint refused (messag
 
 from __future__ import annotations
 
-import logging
 import os
 import runpy
 import sys
@@ -50,8 +49,10 @@ def _split_launcher_args(argv: list[str]) -> tuple[str | None, bool, bool, list[
 
 def _say(message: str) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
-        # Plain logging: importing higgs_megatron here would import megatron before the checkout is on the path.
-        logging.getLogger("higgs_megatron.patches").error(message)
+        # Not the package's logging: importing higgs_megatron here would import megatron before
+        # the checkout is on the path.
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
 
 
 def main(argv: list[str]) -> int:

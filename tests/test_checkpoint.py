@@ -8,7 +8,8 @@ import torch
 
 from higgs_megatron.checkpoint.manifest import MANIFEST_NAME, Manifest
 from higgs_megatron.testing import RankFailure, run_pretrain_script, run_ranks
-from tests.workers import optimizer_state_both_ways, run_trainer
+from tests.checkpoint_workers import optimizer_state_both_ways
+from tests.common_workers import run_trainer
 
 # The schedule is fixed by --lr-decay-iters so that stopping early does not change it.
 COMMON = ["--make-vocab-size-divisible-by", "256", "--eval-iters", "0", "--lr-decay-iters", "8", "--lr-warmup-iters", "1"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from higgs_megatron.testing import run_ranks
-from tests.workers import train_variants
+from tests.common_workers import train_variants
 
 # (world size, layout flags); every layout has DP=2 and two micro-batches per step (accumulation).
 LAYOUTS = [
@@ -48,7 +48,7 @@ SPARSE = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucke
 @pytest.mark.parametrize("min_param_numel", ["0", "256"], ids=["all-selected", "small-params-whole"])
 @pytest.mark.parametrize("world_size,layout", LAYOUTS)
 def test_sparse_sync_invariants(world_size, layout, min_param_numel, distopt, tiny_gpt_args):
-    from tests.workers import sparse_sync_invariants
+    from tests.common_workers import sparse_sync_invariants
 
     argv = _base(tiny_gpt_args, layout, distopt, iters=20) + SPARSE + ["--higgs-min-param-numel", min_param_numel]
     outs = run_ranks(sparse_sync_invariants, world_size, args=(argv,), timeout=400)
@@ -85,7 +85,7 @@ def test_sparse_sync_invariants(world_size, layout, min_param_numel, distopt, ti
 
 
 def test_nonfinite_gradient_on_one_rank_skips_everywhere(tiny_gpt_args):
-    from tests.workers import nan_on_one_rank
+    from tests.higgs_ddp_workers import nan_on_one_rank
 
     argv = tiny_gpt_args + ["--train-iters", "5", "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
                             "--use-distributed-optimizer"] + SPARSE
@@ -103,7 +103,7 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere(tiny_gpt_args):
     LAYOUTS[0], LAYOUTS[1],
     pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer"], id="dp2-distopt")])
 def test_error_feedback_state_survives_state_dict(world_size, layout, tiny_gpt_args):
-    from tests.workers import resume_continuity
+    from tests.higgs_ddp_workers import resume_continuity
 
     argv = _base(tiny_gpt_args, layout, [], iters=8) + SPARSE
     for out in run_ranks(resume_continuity, world_size, args=(argv, 4), timeout=400):
@@ -118,7 +118,7 @@ STAGED = SPARSE + ["--higgs-dense-iters", "3", "--higgs-freeze-adam-variance"]
 def test_dense_stage_is_megatron_ddp_then_compression_and_frozen_variance_start(distopt, tiny_gpt_args):
     """``--higgs-dense-iters 3``: the first three steps are Megatron DDP's, bitwise; from the
     fourth the sync compresses and Adam's second moment stays as it was after step 3."""
-    from tests.workers import staged_sync
+    from tests.higgs_ddp_workers import staged_sync
 
     base = _base(tiny_gpt_args, ["--global-batch-size", "16"], distopt, iters=6)
     outs = run_ranks(staged_sync, 2, args=({"megatron": base, "staged": base + STAGED},), timeout=400)

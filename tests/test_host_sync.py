@@ -6,7 +6,7 @@ import torch
 
 from higgs_megatron.host_sync import HostSyncAudit
 from higgs_megatron.testing import run_ranks
-from tests.workers import host_syncs_in_gradient_path
+from tests.host_sync_workers import host_syncs_in_gradient_path
 
 
 @pytest.mark.parametrize("compressor", ["topk", "sampled-topk"])

@@ -11,7 +11,7 @@ from higgs_megatron.testing import run_ranks
 from higgs_megatron.training.corpus import build_corpus
 from higgs_megatron.training.data import build_datasets
 from higgs_megatron.training.length_buckets import LengthBuckets, parse_buckets
-from tests.workers import pretrain_on_rank
+from tests.common_workers import pretrain_on_rank
 
 SEQ, GBS = 64, 8
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from higgs_megatron.testing import run_ranks
-from tests.workers import train_variants
+from tests.common_workers import train_variants
 
 LAYOUTS = {
     "dp2": [],
@@ -68,7 +68,7 @@ def test_async_checkpoints_of_offloaded_state_resume_bitwise(tmp_path, tiny_gpt_
     """State away at every save (the schedule reads 100%): the async save still snapshots it,
     and resuming (manager on) continues the run without the manager exactly."""
     from tests.test_checkpoint import COMMON, _global
-    from tests.workers import run_trainer
+    from tests.common_workers import run_trainer
 
     base = tiny_gpt_args + COMMON + ["--use-distributed-optimizer", "--train-iters", "6"]
     offload = ["--higgs-offload", "--higgs-offload-schedule", "1.0"]

@@ -11,7 +11,7 @@ from higgs_megatron.stability.faults import Fault, FaultSpecError, parse_fault
 from higgs_megatron.stability.progress import describe
 from higgs_megatron.testing import run_pretrain_script, run_ranks
 from higgs_megatron.training.arguments import UsageError, parse_args
-from tests.workers import run_trainer, train_variants
+from tests.common_workers import run_trainer, train_variants
 
 
 def test_fault_specs_parse():

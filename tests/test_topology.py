@@ -5,7 +5,8 @@ import torch
 
 from higgs_megatron.testing import run_ranks
 from higgs_megatron.topology import node_id, split_by_node
-from tests.workers import auto_sync_choices, node_groups_of_world, on_simulated_nodes, sparse_sync_invariants, train_variants
+from tests.common_workers import sparse_sync_invariants, train_variants
+from tests.topology_workers import auto_sync_choices, node_groups_of_world, on_simulated_nodes
 
 
 def test_node_id_prefers_the_override_then_slurm_then_torchrun(monkeypatch):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from higgs_megatron.testing import run_pretrain_script, run_ranks
-from tests.workers import pretrain_on_rank
+from tests.common_workers import pretrain_on_rank
 
 LAYOUTS = [
     pytest.param(2, [], id="dp2"),

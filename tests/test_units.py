@@ -83,3 +83,59 @@ def test_one_reason_on_any_rank_drops_the_step_on_every_rank():
             t.join()
         expected = {r: reason for r, reason in enumerate(attempt_reasons) if reason}
         assert results == [expected] * 3
+
+
+def _committed(load_dir, iteration):
+    path = load_dir / f"iter_{iteration:07d}"
+    path.mkdir(parents=True)
+    (path / "rank_map.json").write_text("{}")
+    return path
+
+
+def test_choose_checkpoint_one_rule_for_both_front_ends(tmp_path):
+    from higgs_megatron.checkpoint.load import choose_checkpoint
+
+    assert choose_checkpoint(tmp_path / "absent") == (None, None)  # nothing there: a fresh start
+    (tmp_path / "iter_0000009.tmp").mkdir()
+    assert choose_checkpoint(tmp_path) == (None, None)  # an interrupted save is never loaded
+    first, second = _committed(tmp_path, 3), _committed(tmp_path, 6)
+    (tmp_path / "latest").write_text("3\n")
+    assert choose_checkpoint(tmp_path) == (first, None)  # the pointer, when it names a committed one
+    assert choose_checkpoint(tmp_path, version=6) == (second, None)
+    with pytest.raises(CheckpointError, match="--checkpoint-version 5: .* is not a committed checkpoint "
+                                              r"\(committed: 3, 6\)"):
+        choose_checkpoint(tmp_path, version=5)
+    for pointer_text, said in (("9\n", "names iteration 9, which has no rank map"), ("garbage", "is missing or"
+                                                                                               " unreadable")):
+        (tmp_path / "latest").write_text(pointer_text)
+        path, warning = choose_checkpoint(tmp_path)
+        assert path == second and said in warning and str(second) in warning  # the newest, said aloud
+    (tmp_path / "latest").unlink()
+    assert choose_checkpoint(tmp_path)[0] == second
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("3")
+    assert choose_checkpoint(tmp_path, pointer=tracker.name) == (first, None)  # Megatron-LM's pointer
+
+
+def test_choose_checkpoint_refuses_what_it_cannot_trust_when_nothing_is_committed(tmp_path):
+    from higgs_megatron.checkpoint.load import choose_checkpoint
+
+    (tmp_path / "latest").write_text("4\n")
+    with pytest.raises(CheckpointError, match="names iteration 4, but .* is not a committed checkpoint, and none is"):
+        choose_checkpoint(tmp_path)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "iter_0000004").mkdir()  # written without a rank map
+    with pytest.raises(CheckpointError, match="iter_0000004 has no rank map"):
+        choose_checkpoint(tmp_path)
+
+
+def test_a_config_error_names_its_field_and_crosses_processes():
+    import pickle
+
+    from higgs_megatron.config import ConfigError, HiggsConfig
+
+    with pytest.raises(ConfigError) as caught:
+        HiggsConfig(dense_iters=-1)
+    assert caught.value.field == "dense_iters"
+    copy = pickle.loads(pickle.dumps(caught.value))
+    assert copy.field == "dense_iters" and str(copy) == str(caught.value)

@@ -41,9 +41,11 @@ def choose_checkpoint(load_dir: str | Path, version: int | None = None,
     * else the iteration the ``pointer`` file names (``latest``; Megatron-LM's tracker), if
       it is committed;
     * else the newest committed checkpoint, with a warning that the pointer names one that
-      is not (a crash between a pointer move and the commit; never trusted blindly);
-    * none committed: None, unless ``iter_*`` directories without a rank map exist (saved
-      without ``--use-higgs``, or interrupted), which is an error naming them.
+      is not, or is missing or unreadable (a crash between a pointer move and the commit, a
+      deleted file: never trusted blindly, never a silent fresh start);
+    * none committed: an error if the pointer names an iteration (its checkpoint is gone or
+      was never committed) or ``iter_*`` directories without a rank map exist (saved without
+      ``--use-higgs``, or interrupted); else None, a fresh start.
     """
     load_dir = Path(load_dir)
     committed = committed_checkpoints(load_dir)
@@ -59,6 +61,9 @@ def choose_checkpoint(load_dir: str | Path, version: int | None = None,
         named = int(text) if text.isdigit() else None
     if named is not None and named in committed:
         return load_dir / checkpoint_name(named), None
+    if not committed and named is not None:
+        raise CheckpointError(f"{pointer_file} names iteration {named}, but {load_dir / checkpoint_name(named)} is "
+                              "not a committed checkpoint, and none is")
     if not committed:
         uncommitted = [p.name for p in load_dir.glob("iter_*")
                        if p.is_dir() and p.suffix != ".tmp" and not (p / MANIFEST_NAME).exists()]

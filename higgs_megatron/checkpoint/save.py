@@ -58,9 +58,9 @@ def crc32_skipped() -> Iterator[None]:
 
     Why: every shard file is hashed with SHA-256 into the rank map and checked before
     anything is loaded, so the zip records' CRC32 is a second, unread checksum of the same bytes.
-    Measured on this project's CPU machine: ``torch.save`` of 100 MB in 100 tensors takes
-    116 ms of CPU with it and 53 ms without, on every rank and every save (an asynchronous
-    save's writer takes that time from the training ranks when they use every core). The
+    Skipping it halves ``torch.save``'s CPU time (``docs/experiments/checkpoint_writer.md``), on
+    every rank and every save (an asynchronous save's writer takes that time from the training
+    ranks when they use every core). The
     switch is process-wide: while an asynchronous save writes, a ``torch.save`` on another
     thread skips CRC32 too, and a change made to the switch meanwhile is undone when the last
     user leaves and restores the value it found."""

@@ -77,12 +77,23 @@ class OffloadConfig:
 
 
 def check_writable(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".higgs-write-test-"):
-            pass
-    except OSError as error:
-        raise OffloadError(f"--higgs-offload-dir {directory}: not a writable directory ({error.strerror})") from None
+    """Whether the directory could be made and written, without making it (validation leaves
+    nothing behind; the tier makes it at setup): a temporary file is written and removed in
+    the directory, or in its nearest existing ancestor when it does not exist yet."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = None
+    if not existing.is_dir():
+        problem = f"{existing} is not a directory"
+    else:
+        try:
+            with tempfile.NamedTemporaryFile(dir=existing, prefix=".higgs-write-test-"):
+                pass
+        except OSError as error:
+            problem = error.strerror
+    if problem:
+        raise OffloadError(f"--higgs-offload-dir {directory}: not a writable directory ({problem})")
 
 
 @dataclass

@@ -157,46 +157,71 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Check the flags against each other and the launch; fill derived fields."""
+    """Check the flags against each other and the launch, group by group, and fill derived
+    fields (``world_size``, ``data_parallel_size``, ``num_microbatches``, the configs). No side
+    effects: nothing is created on disk here; directories are made when they are first used."""
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
               "global_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
               "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads",
               "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last",
               "checkpoint_interval", "higgs_step_timeout")
+    for check in (_check_higgs, _check_checkpoints, _check_optimizer, _check_stability, _check_memory,
+                  _check_recompute, _check_layout, _check_model, _check_schedule, _check_data, _check_runtime):
+        check(args, world_size)
+    return args
+
+
+def _check_higgs(args: argparse.Namespace, world_size: int) -> None:
+    """The compressed sync's flags: only with --use-higgs; HiggsConfig's own ranges."""
     if not args.use_higgs:
         given = compression_flags_given(args)
         if given:
             raise UsageError(f"{', '.join(given)}: only with --use-higgs (the compressed sync's settings; "
                              "without --use-higgs it is off)")
+    try:
+        args.higgs_config = higgs_config_from_args(args) if args.use_higgs else None
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _check_checkpoints(args: argparse.Namespace, world_size: int) -> None:
     for flag in ("save_interval", "checkpoint_interval", "async_checkpoint", "auto_resume"):
         if getattr(args, flag) not in (None, False) and args.save is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --save DIR")
+    if args.checkpoint_version is not None and args.load is None:
+        raise UsageError("--checkpoint-version needs --load DIR")
+    resuming_own_saves = args.auto_resume and args.load is None
+    if resuming_own_saves:
+        args.load = args.save  # the job's first attempt finds nothing there and starts from scratch
+    if args.load is not None and not os.path.isdir(args.load) and not resuming_own_saves:
+        raise UsageError(f"--load {args.load}: no such directory")
+
+
+def _check_optimizer(args: argparse.Namespace, world_size: int) -> None:
     if args.optimizer != "adam" and args.higgs_freeze_adam_variance:
         raise UsageError(f"--higgs-freeze-adam-variance: freezes Adam's second moment; --optimizer is {args.optimizer}")
     if args.optimizer != "adam" and args.use_distributed_optimizer:
         raise UsageError(f"--optimizer {args.optimizer}: megatron-core's --use-distributed-optimizer supports adam only")
-    if args.checkpoint_version is not None and args.load is None:
-        raise UsageError("--checkpoint-version needs --load DIR")
-    if args.auto_resume and args.load is None:
-        args.load = args.save
-        os.makedirs(args.save, exist_ok=True)  # the first attempt of the job finds nothing to resume
-    if args.load is not None and not os.path.isdir(args.load):
-        raise UsageError(f"--load {args.load}: no such directory")
+
+
+def _check_stability(args: argparse.Namespace, world_size: int) -> None:
     if args.higgs_step_timeout is not None and not args.use_higgs:
         raise UsageError("--higgs-step-timeout needs --use-higgs (it times the compressed sync's collectives)")
     try:
         args.faults = [parse_fault(spec, world_size) for spec in args.inject_fault]
     except FaultSpecError as error:
         raise UsageError(str(error)) from None
-    try:
-        args.higgs_config = higgs_config_from_args(args) if args.use_higgs else None
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+
+
+def _check_memory(args: argparse.Namespace, world_size: int) -> None:
     try:
         args.offload_config = offload_config_from_args(args)
     except OffloadError as error:
         raise UsageError(str(error)) from None
+
+
+def _check_recompute(args: argparse.Namespace, world_size: int) -> None:
     if args.recompute_granularity == "full" and args.recompute_method is None:
         raise UsageError("--recompute-granularity full needs --recompute-method uniform or block")
     if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
@@ -209,6 +234,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                              "(the layers of one pipeline stage)")
     if args.eval_iters < 0:
         raise UsageError(f"--eval-iters must be 0 or more, got {args.eval_iters}")
+
+
+def _check_layout(args: argparse.Namespace, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp) != 0:
         raise UsageError(
@@ -217,6 +245,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         )
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
+
+
+def _check_model(args: argparse.Namespace, world_size: int) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.num_attention_heads % tp != 0:
         raise UsageError(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
@@ -230,6 +262,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise UsageError(
             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"
         )
+
+
+def _check_schedule(args: argparse.Namespace, world_size: int) -> None:
+    """Batch sizes and the LR schedule."""
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -254,6 +290,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                          f"--lr-decay-iters {args.lr_decay_iters} (which defaults to --train-iters)")
     if args.min_lr > args.lr:
         raise UsageError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+
+
+def _check_data(args: argparse.Namespace, world_size: int) -> None:
     if args.higgs_length_buckets is not None:
         try:
             args.length_buckets = parse_buckets(args.higgs_length_buckets, args.seq_length)
@@ -263,6 +302,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.length_buckets = None
     if args.data_path is not None and not os.path.exists(args.data_path):
         raise UsageError(f"--data-path {args.data_path}: no such file or directory")
+    try:
+        weights = [float(w) for w in args.split.split(",")]
+        assert len(weights) == 3 and min(weights) >= 0 and weights[0] > 0 and weights[1] > 0
+    except (ValueError, AssertionError):
+        raise UsageError(f"--split {args.split!r}: expected three weights 'train,validation,test' "
+                         "with train and validation above zero")
+
+
+def _check_runtime(args: argparse.Namespace, world_size: int) -> None:
+    """Backend, layer implementation, logging packages: what this machine has."""
     cuda = torch.cuda.is_available()
     if args.distributed_backend == "auto":
         args.distributed_backend = "nccl" if cuda else "gloo"
@@ -282,13 +331,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             import wandb  # noqa: F401
         except ImportError:
             raise UsageError("--wandb-project needs the wandb package: pip install 'higgs-megatron[wandb]'")
-    try:
-        weights = [float(w) for w in args.split.split(",")]
-        assert len(weights) == 3 and min(weights) >= 0 and weights[0] > 0 and weights[1] > 0
-    except (ValueError, AssertionError):
-        raise UsageError(f"--split {args.split!r}: expected three weights 'train,validation,test' "
-                         "with train and validation above zero")
-    return args
 
 
 def _te_importable() -> bool:

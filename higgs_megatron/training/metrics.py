@@ -11,12 +11,13 @@ also go to the ``callbacks`` (TensorBoard, W&B, a user's own: ``higgs_megatron.c
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any, TextIO
 
 from ..callbacks import Callback
-from ..logs import get_logger
+from ..logs import get_logger, setup_logging
 
 log = get_logger(__name__)
 
@@ -36,6 +37,10 @@ class MetricsLogger:
                  stream: TextIO | None = None) -> None:
         self.is_writer = is_writer
         self.stream = stream  # None: the package's logger (``logs``)
+        if is_writer and stream is None:
+            setup_logging()
+        if is_writer and log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
         self._json = open(log_json, "a", buffering=1) if (is_writer and log_json) else None
         self.callbacks = list(callbacks or []) if is_writer else []
         self._lock = threading.Lock()  # the watchdog's thread logs too

@@ -1,0 +1,27 @@
+"""Rank functions for tests/test_checkpoint.py (run through higgs_megatron.testing.run_ranks)."""
+
+from __future__ import annotations
+
+from tests.common_workers import tensor_pieces
+
+
+def optimizer_state_both_ways(argv: list[str]) -> dict:
+    """After two steps: the distributed optimizer's fully_reshardable state as Megatron builds
+    it (all-DP gather) and as ``owner_param_state`` builds it, as main-replica pieces."""
+    from higgs_megatron.checkpoint.optimizer_shards import owner_written_optimizer_state
+    from higgs_megatron.checkpoint.state import SHARDING
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    args = parse_args(argv + ["--train-iters", "2"])
+    with training_environment(args):
+        trainer = Trainer(args)
+        trainer.train()
+        model_sd = trainer.model[0].module.sharded_state_dict()
+        optimizer = getattr(trainer.optimizer, "inner", trainer.optimizer)
+        megatron = tensor_pieces(optimizer.sharded_state_dict(model_sd, metadata=SHARDING))
+        with owner_written_optimizer_state():
+            ours = tensor_pieces(optimizer.sharded_state_dict(model_sd, metadata=SHARDING))
+        trainer.close()
+    keep = lambda pieces: {k: v for k, v in pieces.items() if k.startswith("optimizer.state.")}  # noqa: E731
+    return {"megatron": keep(megatron), "ours": keep(ours)}

@@ -1,0 +1,233 @@
+"""Rank helpers shared by test_{checkpoint,higgs_ddp,length_buckets,offload,stability,topology,training}.py."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pretrain_on_rank(argv: list[str]):
+    """Train with the pretrain script's flags; return this rank's history."""
+    from higgs_megatron.training.loop import pretrain
+
+    return pretrain(argv)
+
+
+def coordinates() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+            "dp": ps.get_data_parallel_rank()}
+
+
+def parameters(trainer) -> dict[str, torch.Tensor]:
+    return {f"{i}.{name}": p.detach().clone() for i, chunk in enumerate(trainer.model)
+            for name, p in chunk.module.named_parameters()}
+
+
+def train_variants(variants: dict[str, list[str]]) -> dict:
+    """Train each variant in turn in one set of process groups; return final params, losses,
+    progress alignments and (on the logging rank, with --log-json) events per variant.
+
+    All variants must share the parallel layout (the groups are made once)."""
+    import json
+
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    parsed = {name: parse_args(argv) for name, argv in variants.items()}
+    out = {"coords": None, "params": {}, "losses": {}, "valid_losses": {}, "alignments": {}, "events": {}}
+    with training_environment(next(iter(parsed.values()))):
+        out["coords"] = coordinates()
+        for name, args in parsed.items():
+            trainer = Trainer(args)
+            result = trainer.train()
+            out["params"][name] = parameters(trainer)
+            out["losses"][name] = result.losses
+            out["valid_losses"][name] = result.valid_losses
+            out["alignments"][name] = result.alignments
+            trainer.close()
+            if args.log_json and trainer.log.is_writer:
+                with open(args.log_json) as log:
+                    out["events"][name] = [r for r in map(json.loads, log) if r["type"] == "event"]
+    return out
+
+
+def sparse_sync_invariants(argv: list[str]) -> dict:
+    """Train at low density, recording each compression and the sync order; check per rank
+    that sent + residual == accumulated gradient, and report params, bytes and the trace."""
+    import higgs_megatron.compress.compressor as compressor
+    import higgs_megatron.reduce.sparse_allreduce as sparse_allreduce
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    args = parse_args(argv)
+    records, handed = [], []
+    original_compress, original_backward = compressor.compress, schedules.backward_step
+    original_pack = sparse_allreduce.pack
+
+    def recording_compress(acc, plan, density, selector, key=None):
+        accumulated = acc.clone()
+        sparse = original_compress(acc, plan, density, selector, key=key)
+        records.append((key, accumulated, sparse, plan, density))
+        return sparse
+
+    def recording_pack(*a, **k):  # what each compression hands the all-gather, in bytes
+        payload = original_pack(*a, **k)
+        handed.append(payload.numel() * payload.element_size())
+        return payload
+
+    with training_environment(args):
+        trainer = Trainer(args)
+        ddp = trainer.model[0]
+        trace = ddp.trace_sync_order()
+
+        def traced_backward(*a, **k):
+            out = original_backward(*a, **k)
+            trace.append(("backward_end", -1))
+            return out
+
+        original_step = trainer.train_step
+
+        def traced_step():
+            trace.append(("step", trainer.iteration + 1))
+            return original_step()
+
+        trainer.train_step = traced_step
+        try:
+            compressor.compress, schedules.backward_step = recording_compress, traced_backward
+            sparse_allreduce.pack = recording_pack
+            trainer.train()
+        finally:
+            compressor.compress, schedules.backward_step = original_compress, original_backward
+            sparse_allreduce.pack = original_pack
+        # sent + residual == accumulated, for the last step's buckets
+        assert len(handed) == len(records), (len(handed), len(records))  # one payload per compression
+        last = {}
+        for (key, accumulated, sparse, plan, density), nbytes in zip(records, handed):
+            last[key] = (accumulated, sparse, plan, density, nbytes)
+        conservation = []
+        byte_ratios = []
+        for (group, bucket), (accumulated, sparse, plan, density, nbytes) in last.items():
+            residual = ddp.bucket_groups[group].higgs_residuals[bucket].current
+            sent = torch.zeros_like(accumulated)
+            sent[plan.always_positions] = sparse.always
+            sent.index_add_(0, sparse.positions, sparse.values)
+            conservation.append(bool(torch.equal(sent + residual, accumulated)))
+            # Bytes handed to the collective against the dense bucket, over the selected part
+            # (the always-sent small parameters travel dense by design).
+            itemsize = accumulated.element_size()
+            always_bytes = plan.n_always * itemsize
+            assert nbytes == plan.payload_bytes(density, accumulated.dtype)  # the plan's size is what went out
+            byte_ratios.append((nbytes - always_bytes) / (accumulated.numel() * itemsize - always_bytes))
+        out = {"coords": coordinates(), "params": parameters(trainer), "conservation": conservation,
+               "byte_ratios": byte_ratios, "trace": list(trace), "groups": len(ddp.bucket_groups),
+               "compressions_per_step": len(records) / args.train_iters,
+               "buckets": sum(len(g.buckets) for g in ddp.bucket_groups)}
+        trainer.close()
+    return out
+
+
+def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
+                unwritable_rank_from: int | None = None, slow_host_copy: float | None = None) -> dict:
+    """Train (with whatever --save/--load flags) and report losses, the loaded iteration and the
+    global tensors this rank holds (model and optimizer state, by key and offset).
+    ``slow_host_copy``: an async save's host copy starts only after this many seconds."""
+    import builtins
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from higgs_megatron.checkpoint import async_save
+    from higgs_megatron.checkpoint.state import sharded_training_state
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.loop import Trainer, training_environment
+
+    original_host_copies = async_save._host_copies
+
+    def slow(*a, **k):
+        time.sleep(slow_host_copy)
+        return original_host_copies(*a, **k)
+
+    args = parse_args(argv)
+    original_save = dist_checkpointing.save
+
+    def dying_save(state, directory, *a, **k):
+        result = original_save(state, directory, *a, **k)
+        if dist.get_rank() == 1 and state["iteration"] == kill_rank_during_save_at and result is None:
+            os.kill(os.getpid(), signal.SIGKILL)  # files written, nothing hashed or committed
+        return result
+
+    original_write = FileSystemWriterAsync.write_preloaded_data
+    original_write_attr = vars(FileSystemWriterAsync)["write_preloaded_data"]  # the staticmethod itself
+
+    def dying_write(transform_list, index, bucket, *a, **k):
+        """--async-checkpoint: the rank dies as its writer thread begins the file."""
+        if dist.get_rank() == 1 and f"iter_{kill_rank_during_save_at:07d}.tmp" in str(bucket[0]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_write(transform_list, index, bucket, *a, **k)
+
+    trainer_box = {}
+
+    def unwritable_open(path, mode="r", *a, **k):
+        trainer = trainer_box.get("trainer")
+        if ("w" in mode and f"__{unwritable_rank_from[0]}_" in os.path.basename(str(path))
+                and trainer is not None and trainer.iteration >= unwritable_rank_from[1]):
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, mode, *a, **k)
+
+    had_open = "open" in vars(filesystem_async)  # the module normally reads the builtin
+    original_open = getattr(filesystem_async, "open", None)
+    try:
+        if slow_host_copy is not None:
+            async_save._host_copies = slow
+        if kill_rank_during_save_at is not None and args.async_checkpoint:
+            FileSystemWriterAsync.write_preloaded_data = staticmethod(dying_write)
+        dist_checkpointing.save = dying_save
+        if unwritable_rank_from is not None:
+            # From that iteration on, this rank's shard files cannot be opened for writing, as on a
+            # read-only or full file system (the writer processes fork from here and inherit it).
+            filesystem_async.open = unwritable_open
+        with training_environment(args):
+            trainer = Trainer(args)
+            if unwritable_rank_from is not None:
+                trainer_box["trainer"] = trainer
+            start = trainer.iteration
+            resident_after_saves = []
+            if trainer.memory is not None:  # the optimizer state still on the device once each save returns
+                save = trainer.save
+                trainer.save = lambda: (save(), resident_after_saves.append(trainer.memory.resident_bytes()))
+            state_after_load = tensor_pieces(sharded_training_state(trainer.training_state())) if args.load else None
+            result = trainer.train()
+            out = {"start": start, "losses": result.losses, "after_load": state_after_load,
+                   "resident_after_saves": resident_after_saves,
+                   "final": tensor_pieces(sharded_training_state(trainer.training_state())), "coords": coordinates()}
+            trainer.close()
+    finally:
+        async_save._host_copies = original_host_copies
+        dist_checkpointing.save = original_save
+        FileSystemWriterAsync.write_preloaded_data = original_write_attr
+        if had_open:
+            filesystem_async.open = original_open
+        elif "open" in vars(filesystem_async):
+            del filesystem_async.open
+    return out
+
+
+def tensor_pieces(state: dict) -> dict:
+    """{key: [(global_offset, tensor)]} of the main-replica ShardedTensors in a sharded state."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    pieces = {}
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor) and all(r == 0 for r in (value.replica_id if isinstance(
+                value.replica_id, tuple) else (value.replica_id,))):
+            data = value.data.detach().clone().reshape([1] * value.prepend_axis_num + list(value.local_shape))
+            pieces.setdefault(value.key, []).append((tuple(value.global_shape), tuple(value.global_offset), data))
+    return pieces
