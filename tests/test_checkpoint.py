@@ -1,12 +1,14 @@
 """Per-rank shard checkpoints with a rank map, in real multi-process megatron-core runs."""
 
 import json
+import math
 import os
 
 import pytest
 import torch
 
 from higgs_megatron.checkpoint.manifest import MANIFEST_NAME, Manifest
+from higgs_megatron.checkpoint.validation import _intersection_volume
 from higgs_megatron.testing import RankFailure, run_pretrain_script, run_ranks
 from tests.checkpoint_workers import optimizer_state_both_ways
 from tests.common_workers import run_trainer
@@ -198,8 +200,17 @@ def test_rank_map_describes_every_rank(tmp_path, tiny_gpt_args):
         assert any(f.path.startswith(f"__{record.rank}_") for f in record.files)
     on_disk = {p for p in os.listdir(tmp_path / "iter_0000001") if p != MANIFEST_NAME}
     assert on_disk == {f.path for r in manifest.ranks for f in r.files}
-    # every saved tensor is tiled exactly once by the main-replica shards
-    assert any(s.key == "embedding.word_embeddings.weight" for r in manifest.ranks for s in r.shards)
+    # every saved tensor is tiled exactly once by the main-replica shards: same global shape,
+    # volumes adding up to the tensor's, no two shards overlapping
+    by_key = {}
+    for record in manifest.ranks:
+        for shard in record.shards:
+            by_key.setdefault(shard.key, []).append(shard)
+    assert "embedding.word_embeddings.weight" in by_key and len(by_key) > 10
+    for key, pieces in by_key.items():
+        assert all(p.global_shape == pieces[0].global_shape for p in pieces), key
+        assert sum(math.prod(p.local_shape) for p in pieces) == math.prod(pieces[0].global_shape), key
+        assert all(_intersection_volume(a, b) == 0 for i, a in enumerate(pieces) for b in pieces[i + 1:]), key
     assert _record_crcs(tmp_path / "iter_0000001") == {0}  # written by megatron-core's forked writers
 
 

@@ -12,15 +12,19 @@ from higgs_megatron.training.loop import _Window
 from higgs_megatron.training.metrics import MetricsLogger
 
 
-def test_window_leaves_validation_and_save_time_out_of_step_time():
+def test_window_leaves_validation_and_save_time_out_of_step_time(monkeypatch):
+    import higgs_megatron.training.loop as loop
+
+    clock = [100.0]  # a clock the test moves: no sleeping, no timing noise
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
     window = _Window()
     for _ in range(4):
-        time.sleep(0.01)
+        clock[0] += 0.01
         window.add(10, 20, 0.0, 0.5)
-    paused = time.perf_counter()
-    time.sleep(0.2)  # an evaluation inside the window
-    window.excluded += time.perf_counter() - paused
-    assert 0.009 < window.seconds_per_iteration() < 0.03
+    paused = clock[0]
+    clock[0] += 0.2  # an evaluation inside the window
+    window.excluded += clock[0] - paused
+    assert abs(window.seconds_per_iteration() - 0.01) < 1e-12
 
 
 def test_logger_writes_megatron_line_and_json(tmp_path):
