@@ -1,7 +1,7 @@
 """HiggsConfig: what the compressed data-parallel sync does, from Python or from flags.
 
 Each field carries its command-line flag in its metadata (name, help, choices), so the flags
-are generated from the dataclass: ``add_higgs_args(parser)`` adds them (``--use-higgs``,
+are generated from the dataclass (``field_flags``): ``add_higgs_args(parser)`` adds them (``--use-higgs``,
 ``--higgs-compression-ratio``...) for our pretrain script and the Megatron-LM patches alike,
 and ``higgs_config_from_args(args)`` builds the config back. ``HiggsConfig`` is validated on
 construction: a ``ConfigError`` names the field, and from flags the field's flag.
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
+from .field_flags import add_field_flags, field_flag, field_values
+from .field_flags import flag_metadata as _flag
 from .given_flags import flags_given
 
 COMPRESSORS = ("topk", "sampled-topk", "none")
@@ -32,11 +33,6 @@ class ConfigError(ValueError):
 
     def __reduce__(self):  # picklable, for errors that cross process boundaries
         return ConfigError, (self.field, str(self))
-
-
-def _flag(name: str, help: str, **argparse_kwargs: Any) -> dict:
-    """Field metadata: the flag, its help, and what argparse needs beyond type and default."""
-    return {"flag": name, "help": help, "argparse": argparse_kwargs}
 
 
 @dataclass
@@ -140,20 +136,13 @@ class HiggsConfig:
         return asdict(self)
 
 
-def _dest(config_field) -> str:
-    return "higgs_" + config_field.name
-
-
 def add_higgs_args(parser: argparse.ArgumentParser, weight_hash_check: bool = True) -> argparse.ArgumentParser:
     """Add the flags, one per HiggsConfig field; ``weight_hash_check=False`` leaves out the
     replica hash check for a parser that defines it already (Megatron-LM's, with the same meaning)."""
     g = parser.add_argument_group("higgs: compressed data-parallel gradient sync")
     g.add_argument("--use-higgs", action="store_true",
                    help="replace Megatron's DP gradient reduction with top-k + error feedback")
-    for config_field in fields(HiggsConfig):
-        meta = config_field.metadata
-        g.add_argument(meta["flag"], dest=_dest(config_field), default=config_field.default, help=meta["help"],
-                       **meta["argparse"])
+    add_field_flags(g, HiggsConfig)
     if weight_hash_check:
         g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                        help="every N iterations verify that all DP replicas hold identical parameters")
@@ -167,12 +156,12 @@ def compression_flags_given(args: argparse.Namespace) -> list[str]:
 
 def flag_of(field_name: str) -> str:
     """The command-line flag of a HiggsConfig field."""
-    return next(f.metadata["flag"] for f in fields(HiggsConfig) if f.name == field_name)
+    return field_flag(HiggsConfig, field_name)
 
 
 def higgs_config_from_args(args: argparse.Namespace) -> HiggsConfig:
     """Build the config; a ValueError names the offending flag."""
     try:
-        return HiggsConfig(**{f.name: getattr(args, _dest(f)) for f in fields(HiggsConfig)})
+        return HiggsConfig(**field_values(args, HiggsConfig))
     except ConfigError as error:
         raise ValueError(f"{flag_of(error.field)}: {error}") from None

@@ -104,7 +104,7 @@ class SyncStats:
     compress_seconds: float = 0.0
     sparse_buckets: int = 0
     dense_buckets: int = 0
-    density: float = 1.0
+    density: float = 1.0  # the last chunk's: every chunk of a model follows one schedule
 
     def add(self, other: "SyncStats") -> None:
         self.bytes_sent += other.bytes_sent
@@ -288,9 +288,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if path == "dense":
                 if residual is not None:  # a hierarchical form's residual covers this rank's slice
                     lo, hi = self.higgs_buckets[idx].slice or (0, grad.numel())
-                    lo = min(lo, grad.numel())  # a tiny bucket's last slice may start past its end
                     with shared.compress_timer.measure(grad.device):
-                        residual.accumulate(grad.narrow(0, lo, min(hi, grad.numel()) - lo))
+                        residual.accumulate(grad.narrow(0, lo, hi - lo))
                         residual.stage_all_sent()
                 stats.bytes_sent += grad.numel() * grad.element_size()
                 stats.dense_buckets += 1

@@ -48,7 +48,7 @@ class BucketPaths:
     numel: int
     dtype: torch.dtype
     candidates: dict[str, BucketPlan]
-    slice: tuple[int, int] | None  # this rank's [start, end) in the node, with a hierarchical form
+    slice: tuple[int, int] | None  # this rank's [start, end) of the bucket, with a hierarchical form
     ranks_per_node: int = 1
     paths: dict[float, str] = field(default_factory=dict)  # density -> path, under 'auto'
 
@@ -63,7 +63,7 @@ class BucketPaths:
 
     @property
     def bucket_bytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def shape(self, density: float, forms: tuple[str, ...]) -> BucketShape:
         """What the cost model needs of this bucket at ``density``, for the given forms."""
@@ -94,7 +94,7 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
         candidates["hierarchical"] = BucketPlan(
             hi - lo, [ParamSlot(max(s.start, lo) - lo, min(s.end, hi) - lo) for s in slots
                       if s.end > lo and s.start < hi], config.min_param_numel, device)
-        piece = (lo, min(hi, numel))
+        piece = (min(lo, numel), min(hi, numel))  # a tiny bucket's last slice may start past its end
     return BucketPaths(name=name, numel=numel, dtype=dtype, candidates=candidates, slice=piece,
                        ranks_per_node=nodes.ranks_per_node if nodes is not None else 1)
 

@@ -139,3 +139,31 @@ def test_a_config_error_names_its_field_and_crosses_processes():
     assert caught.value.field == "dense_iters"
     copy = pickle.loads(pickle.dumps(caught.value))
     assert copy.field == "dense_iters" and str(copy) == str(caught.value)
+
+
+def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclasses():
+    """Each flagged field of HiggsConfig and OffloadConfig is a flag of our pretrain script and of
+    the Megatron-LM patches, with the field's default, and reads back into the same config."""
+    import argparse
+    from dataclasses import fields
+
+    from higgs_megatron.config import HiggsConfig, higgs_config_from_args
+    from higgs_megatron.field_flags import field_flag, field_values, flag_dest
+    from higgs_megatron.memory import OffloadConfig
+    from higgs_megatron.memory.flags import offload_config_from_args
+    from higgs_megatron.training.arguments import build_parser
+    from patches.megatron_lm.arguments import add_patch_args
+
+    assert flag_dest("--no-higgs-pin-memory") == "higgs_pin_memory"
+    assert field_flag(OffloadConfig, "directory") == "--higgs-offload-dir"
+    for parser in (build_parser(), add_patch_args(argparse.ArgumentParser())):
+        for config_class in (HiggsConfig, OffloadConfig):
+            flagged = [f for f in fields(config_class) if "flag" in f.metadata]
+            assert flagged and all(f.metadata["flag"] in parser._option_string_actions for f in flagged)
+            assert field_values(parser.parse_args([]), config_class) == {f.name: f.default for f in flagged}
+        args = parser.parse_args(["--higgs-compression-ratio", "0.05", "--no-higgs-error-feedback", "--higgs-offload",
+                                  "--higgs-offload-threshold", "0.5", "--no-higgs-pin-memory"])
+        assert higgs_config_from_args(args) == HiggsConfig(compression_ratio=0.05, error_feedback=False)
+        assert offload_config_from_args(args) == OffloadConfig(threshold=0.5, pin_memory=False)
+        with pytest.raises(ValueError, match="--higgs-compression-ratio"):
+            higgs_config_from_args(parser.parse_args(["--higgs-compression-ratio", "2"]))

@@ -60,6 +60,6 @@ class BucketPlan:
 
     def payload_bytes(self, density: float, dtype: torch.dtype) -> int:
         """Bytes one peer hands the all-gather per step: values of ``always``, pairs of the rest."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         size = self.n_always * itemsize + self.k_selected(density) * (4 + itemsize)
         return -(-size // 4) * 4  # padded to 4 bytes (see reduce.sparse_allreduce.pack)

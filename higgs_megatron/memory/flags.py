@@ -6,28 +6,23 @@ import argparse
 
 import torch
 
+from ..field_flags import add_field_flags, field_values
 from ..given_flags import flags_given
-from .manager import OFFLOAD_DEVICES, OffloadConfig, OffloadError
+from .manager import OffloadConfig, OffloadError
 from .probe import ScriptedProbe
 
 BLOCK_ALLOCATORS = ("off", "expandable")
 
 
 def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    defaults = OffloadConfig()
+    """``--higgs-offload``, one flag per ``OffloadConfig`` field (from its metadata, with its
+    default), and the flags that are not config fields: the pinned-memory cap in GiB, the
+    replayed schedule and the block allocator."""
     g = parser.add_argument_group("higgs: optimizer state off the device while memory runs short")
     g.add_argument("--higgs-offload", action="store_true",
                    help="move optimizer state (moments, fp32 main params) off the device while peak device "
                         "memory use is above the threshold, back when it falls")
-    g.add_argument("--higgs-offload-threshold", type=float, default=defaults.threshold,
-                   help="fraction of device memory, in (0, 1)")
-    g.add_argument("--higgs-offload-hysteresis", type=float, default=defaults.hysteresis,
-                   help="state comes back only below threshold - hysteresis")
-    g.add_argument("--higgs-offload-device", choices=OFFLOAD_DEVICES, default=defaults.device,
-                   help="cpu: host memory; nvme: files under --higgs-offload-dir")
-    g.add_argument("--higgs-offload-dir", default=None, metavar="DIR", help="where the nvme tier writes its files")
-    g.add_argument("--no-higgs-pin-memory", dest="higgs_pin_memory", action="store_false",
-                   help="pageable host copies (pinned memory is faster to a GPU but never reclaimable)")
+    add_field_flags(g, OffloadConfig)
     g.add_argument("--higgs-pin-memory-limit-gb", type=float, default=None,
                    help="cap on this rank's pinned host copies (default: a quarter of host memory, shared by this "
                         "host's ranks); beyond it, pageable")
@@ -56,9 +51,7 @@ def offload_config_from_args(args: argparse.Namespace) -> OffloadConfig | None:
         except ValueError as error:
             raise OffloadError(f"--higgs-offload-schedule {args.higgs_offload_schedule!r}: {error}") from None
     limit = args.higgs_pin_memory_limit_gb
-    return OffloadConfig(threshold=args.higgs_offload_threshold, hysteresis=args.higgs_offload_hysteresis,
-                         device=args.higgs_offload_device, directory=args.higgs_offload_dir,
-                         pin_memory=args.higgs_pin_memory,
+    return OffloadConfig(**field_values(args, OffloadConfig),
                          pin_limit_bytes=None if limit is None else int(limit * (1 << 30)))
 
 

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..field_flags import field_flag, flag_metadata
 from ..optimizer import torch_optimizers
 from .policy import Decision, decide
 from .probe import MemoryProbe
@@ -50,29 +51,40 @@ class OffloadError(ValueError):
 
 @dataclass
 class OffloadConfig:
-    threshold: float = 0.85
+    """Where optimizer state goes and when; each field declares its ``--higgs-offload*`` flag."""
+
+    threshold: float = field(default=0.85, metadata=flag_metadata(
+        "--higgs-offload-threshold", "fraction of device memory, in (0, 1)", type=float))
     """Send state away when peak device use exceeds this fraction of device memory, in (0, 1)."""
-    hysteresis: float = 0.05
+    hysteresis: float = field(default=0.05, metadata=flag_metadata(
+        "--higgs-offload-hysteresis", "state comes back only below threshold - hysteresis", type=float))
     """Bring it back only below ``threshold - hysteresis``, in [0, threshold)."""
-    device: str = "cpu"
+    device: str = field(default="cpu", metadata=flag_metadata(
+        "--higgs-offload-device", "cpu: host memory; nvme: files under --higgs-offload-dir", choices=OFFLOAD_DEVICES))
     """'cpu' (host memory) or 'nvme' (files under ``directory``)."""
-    directory: str | None = None
-    pin_memory: bool = True
+    directory: str | None = field(default=None, metadata=flag_metadata(
+        "--higgs-offload-dir", "where the nvme tier writes its files", metavar="DIR"))
+    pin_memory: bool = field(default=True, metadata=flag_metadata(
+        "--no-higgs-pin-memory", "pageable host copies (pinned memory is faster to a GPU but never reclaimable)",
+        action="store_false"))
     """Pinned host copies (faster to and from a GPU; never reclaimable: capped by ``pin_limit_bytes``)."""
     pin_limit_bytes: int | None = None
-    """Default: a quarter of host memory."""
+    """Default: a quarter of host memory (the flag, ``--higgs-pin-memory-limit-gb``, is in GiB)."""
 
     def __post_init__(self) -> None:
+        def flag(name: str) -> str:
+            return field_flag(OffloadConfig, name)
+
         if not (0.0 < self.threshold < 1.0):
-            raise OffloadError(f"--higgs-offload-threshold {self.threshold}: expected a fraction in (0, 1)")
+            raise OffloadError(f"{flag('threshold')} {self.threshold}: expected a fraction in (0, 1)")
         if not (0.0 <= self.hysteresis < self.threshold):
-            raise OffloadError(f"--higgs-offload-hysteresis {self.hysteresis}: expected a fraction in "
+            raise OffloadError(f"{flag('hysteresis')} {self.hysteresis}: expected a fraction in "
                                f"[0, {self.threshold}) (below the threshold)")
         if self.device not in OFFLOAD_DEVICES:
-            raise OffloadError(f"--higgs-offload-device {self.device!r}: expected one of {', '.join(OFFLOAD_DEVICES)}")
+            raise OffloadError(f"{flag('device')} {self.device!r}: expected one of {', '.join(OFFLOAD_DEVICES)}")
         if self.device == "nvme":
             if not self.directory:
-                raise OffloadError("--higgs-offload-device nvme: needs --higgs-offload-dir DIR")
+                raise OffloadError(f"{flag('device')} nvme: needs {flag('directory')} DIR")
             check_writable(Path(self.directory))
 
 

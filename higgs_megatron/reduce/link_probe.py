@@ -4,9 +4,9 @@ the time to compress.
 Protocol (collective over the data-parallel group; every rank calls it with the same
 arguments): for each collective the sparse or dense paths would use, a barrier on its group
 then the collective, timed, at two sizes (``SMALL`` and ``LARGE`` bytes per rank), one
-warm-up and the median of ``REPEATS`` (on CUDA each timing ends with a device synchronize:
-a collective returns once queued, not once done; this is start-up, not a step); compression is timed locally on the largest bucket's
-plan. All timings are then all-reduced with MAX over the data-parallel group, so every rank
+warm-up and the median of ``REPEATS``; compression is timed locally on the largest bucket's
+plan. On CUDA each timing ends with a device synchronize (a collective returns once queued,
+not once done): this runs once at construction, never in a step. All timings are then all-reduced with MAX over the data-parallel group, so every rank
 fits the same lines and the cost model makes the same choice everywhere (the slowest rank
 sets the pace of a collective anyway). The probe moves a few tens of MB at most and takes
 well under a second on a 10 Gbit/s link, about two on 1 Gbit/s.

@@ -8,9 +8,11 @@ Protocol, per bucket and step (all peers of ``group`` take part, in the same ord
 2. ``all_gather_into_tensor`` of that buffer, asynchronously: the call returns at once and
    the gather runs while backward goes on.
 3. ``finish`` (after ``wait``): zero the bucket, then for each peer in rank order
-   ``index_add_`` its always-sent values and its selected values at their positions. Within one peer's payload positions are
-   distinct, and every peer adds the same payloads in the same order, so the result is
-   bitwise identical on every peer (no atomics, no order dependence).
+   ``index_add_`` its always-sent values and its selected values at their positions. Within
+   one peer's payload a position holds at most one real value: a padding slot may repeat a
+   position, but it adds an exact 0, so the order of the adds within a peer (atomic on a
+   GPU) cannot change the sum. Every peer adds the same payloads in the same peer order, so
+   the result is bitwise identical on every peer.
 
 On failure: ``wait`` raises what the collective raised; the bucket is left as it was.
 """
@@ -37,7 +39,7 @@ def pack(always: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) ->
 
 def unpack(buffer: torch.Tensor, n_always: int, k: int, dtype: torch.dtype):
     """(always values, int32 positions, selected values) from one peer's payload."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     p, a = 4 * k, 4 * k + n_always * itemsize
     return (buffer.narrow(0, p, a - p).view(dtype), buffer.narrow(0, 0, p).view(torch.int32),
             buffer.narrow(0, a, k * itemsize).view(dtype))

@@ -1,0 +1,49 @@
+"""Command-line flags generated from dataclass fields.
+
+A config dataclass declares each field's flag in the field's metadata (``flag_metadata``): its
+name, help, and what argparse needs beyond the type and the default. ``add_field_flags`` adds
+one flag per such field, with the field's default, so our pretrain script and the Megatron-LM
+patches get the same flags with the same defaults from one source; ``field_values`` reads them
+back, and ``field_flag`` names the flag of a field, so an error about a field can name its flag.
+A field's argparse destination is its flag without dashes (``--no-higgs-pin-memory`` stores
+``higgs_pin_memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from typing import Any
+
+
+def flag_metadata(name: str, help: str, **argparse_kwargs: Any) -> dict:
+    """Field metadata: the flag, its help, and what argparse needs beyond type and default."""
+    return {"flag": name, "help": help, "argparse": argparse_kwargs}
+
+
+def flag_dest(flag: str) -> str:
+    """The argparse destination of a flag: ``--no-higgs-x-y`` and ``--higgs-x-y`` store ``higgs_x_y``."""
+    return flag.lstrip("-").removeprefix("no-").replace("-", "_")
+
+
+def _flag_fields(config_class: type) -> list:
+    return [f for f in fields(config_class) if "flag" in f.metadata]
+
+
+def add_field_flags(group: argparse._ActionsContainer, config_class: type) -> None:
+    """Add one flag per field of ``config_class`` that declares one, with the field's default."""
+    for config_field in _flag_fields(config_class):
+        meta = config_field.metadata
+        default = None if config_field.default is MISSING else config_field.default
+        group.add_argument(meta["flag"], dest=flag_dest(meta["flag"]), default=default, help=meta["help"],
+                           **meta["argparse"])
+
+
+def field_values(args: argparse.Namespace, config_class: type) -> dict[str, Any]:
+    """The values ``args`` holds for the flagged fields of ``config_class``, by field name."""
+    return {f.name: getattr(args, flag_dest(f.metadata["flag"])) for f in _flag_fields(config_class)}
+
+
+def field_flag(config_class: type, field_name: str) -> str:
+    """The command-line flag of a field of ``config_class``."""
+    return next(f.metadata["flag"] for f in _flag_fields(config_class) if f.name == field_name)
