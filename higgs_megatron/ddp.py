@@ -40,7 +40,7 @@ optimizer wrapper's decision.
 Invariants kept: without the distributed optimizer every ``main_grad`` holds the DP-reduced
 gradient, identical on all DP ranks; with it at least this rank's shard does (the sparse
 path reduces the whole bucket). Each parameter is selected on its own, which keeps TP-replicated
-params identical across TP ranks (``compress.plan``). Expert-parallel buckets and several distributed-optimizer
+params identical across TP ranks (``compress.compressor``). Expert-parallel buckets and several distributed-optimizer
 instances are refused at construction.
 """
 
@@ -57,10 +57,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
-from .compress.compressor import compress_with_feedback
-from .compress.error_feedback import ResidualBuffer
-from .compress.plan import BucketPlan, ParamSlot
-from .sync_plan import NodeShape, choose_form, path_at, plan_bucket
+from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, compress_with_feedback
 from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
@@ -68,6 +65,7 @@ from .device import DeviceTimer
 from .reduce import hierarchical
 from .reduce.link_probe import measure_link_costs
 from .reduce.sparse_allreduce import PendingSparseReduce, launch_sparse_allreduce
+from .sync_plan import NodeShape, choose_form, path_at, plan_bucket
 from .topology import NodeGroups, build_node_groups
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compress.plan import BucketPlan, ParamSlot
+from .compress.compressor import BucketPlan, ParamSlot
 from .config import HiggsConfig
 from .cost_model import BucketShape, LinkCosts, cheapest, predict
 from .reduce.hierarchical import slice_range

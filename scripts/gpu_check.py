@@ -200,8 +200,7 @@ def stage_one_percent(out_dir: Path) -> list[Row]:
 
 
 def stage_compressor_throughput(out_dir: Path) -> Row:
-    from higgs_megatron.compress.compressor import compress
-    from higgs_megatron.compress.plan import BucketPlan, ParamSlot
+    from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, compress
     from higgs_megatron.compress.selection import make_selector
 
     device = torch.device("cuda" if CUDA else "cpu")

@@ -4,9 +4,7 @@
 import pytest
 import torch
 
-from higgs_megatron.compress.compressor import SparseGrad, compress
-from higgs_megatron.compress.error_feedback import ResidualBuffer
-from higgs_megatron.compress.plan import BucketPlan, ParamSlot
+from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, SparseGrad, compress
 from higgs_megatron.compress.selection import SampledTopK, TopK
 from higgs_megatron.config import HiggsConfig
 from higgs_megatron.reduce.sparse_allreduce import pack, unpack

@@ -22,9 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from higgs_megatron import cpu as cpu_scope
-from higgs_megatron.compress.compressor import compress_with_feedback
-from higgs_megatron.compress.error_feedback import ResidualBuffer
-from higgs_megatron.compress.plan import BucketPlan, ParamSlot
+from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, compress_with_feedback
 from higgs_megatron.compress.selection import SampledTopK, TopK
 from higgs_megatron.reduce.sparse_allreduce import PendingSparseReduce, pack
 

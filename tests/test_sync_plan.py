@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from higgs_megatron.compress.plan import ParamSlot
+from higgs_megatron.compress.compressor import ParamSlot
 from higgs_megatron.config import HiggsConfig
 from higgs_megatron.cost_model import LinkCosts
 from higgs_megatron.sync_plan import NodeShape, choose_form, path_at, plan_bucket

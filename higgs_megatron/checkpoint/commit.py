@@ -1,5 +1,8 @@
 """The commit protocol both front-ends share: files hashed, the rank map gathered and written,
-the directory renamed, ``latest`` moved, old checkpoints retired.
+the directory renamed, ``latest`` moved, old checkpoints retired; and the running job's
+layout and this rank's place in it (``current_layout``, ``current_coords``), read from
+megatron-core's ``parallel_state`` at the moment of the save or load, as the rank map
+records them.
 
 Every rank calls ``commit`` for a ``PendingCheckpoint`` once its files are on disk:
 
@@ -29,13 +32,34 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
+
 from .. import __version__
-from .layout import current_coords
-from .manifest import MANIFEST_NAME, CheckpointError, FileRecord, Layout, Manifest, RankRecord, ShardRecord
-from .validation import sha256_of
+from .manifest import (MANIFEST_NAME, CheckpointError, FileRecord, Layout, Manifest, RankRecord, ShardRecord,
+                       sha256_of)
 
 LATEST = "latest"
 COMMON_FILES = (".metadata", "common.pt", "metadata.json")
+
+
+def current_layout(use_distributed_optimizer: bool) -> Layout:
+    return Layout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+
+
+def current_coords() -> dict[str, int]:
+    return {"tp": parallel_state.get_tensor_model_parallel_rank(),
+            "pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp": parallel_state.get_data_parallel_rank(),
+            "cp": parallel_state.get_context_parallel_rank(),
+            "ep": parallel_state.get_expert_model_parallel_rank()}
 
 
 def checkpoint_name(iteration: int) -> str:

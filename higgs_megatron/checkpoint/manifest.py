@@ -19,6 +19,7 @@ tile every saved tensor exactly once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -116,3 +117,12 @@ class Manifest:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    """The SHA-256 a file record holds, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpoin
 from megatron.core import dist_checkpointing
 
 from .commit import PendingCheckpoint, SaveResult, begin, commit, common_files, hash_files, shard_files
-from .layout import current_layout
+from .commit import current_layout
 from .state import TrainingState, shard_records, sharded_training_state
 
 

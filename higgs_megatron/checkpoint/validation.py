@@ -11,11 +11,10 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 
-from .manifest import CheckpointError, FileRecord, Layout, Manifest, ShardRecord
+from .manifest import CheckpointError, FileRecord, Layout, Manifest, ShardRecord, sha256_of
 
 RECOVERY_MODES = ("same-sharding", "reshard")
 
@@ -84,14 +83,6 @@ def uncovered_shards(manifest: Manifest, needed: list[ShardRecord]) -> list[str]
             problems.append(f"{need.key}: offset {need.global_offset} shape {need.local_shape} is only "
                             f"{covered}/{math.prod(need.local_shape)} covered by saved shards")
     return problems
-
-
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def verify_files(checkpoint_dir: Path, manifest: Manifest, rank: int, world_size: int) -> list[str]:

@@ -1,27 +1,155 @@
-"""One bucket's accumulated gradient -> the fixed-size sparse payload it sends.
+"""One bucket's gradient -> the fixed-size sparse payload it sends, with error feedback.
 
-``compress(acc, plan, density, selector, key)`` returns a ``SparseGrad``:
+The plan (``BucketPlan``): how many coordinates each bucket sends, and from which parameters.
+A Megatron gradient bucket is a flat tensor holding several parameters. Its plan splits it:
 
-* ``always``: the values of ``plan.always_positions`` (small parameters, sent in full; their
-  positions are known to every peer from the plan, so they are not sent);
+* ``always``: parameters smaller than ``min_param_numel`` (biases, layer norms) send every
+  coordinate every step, as values only: their positions are in every peer's plan (DGC
+  keeps such layers dense too);
+* every other parameter is its own selection unit and sends ``ceil(density * numel)`` of its
+  coordinates (layer-wise top-k, as in DGC). Selecting per parameter keeps every layer
+  moving (a bucket-wide top-k starves layers whose gradients are small in scale), and it
+  keeps tensor-parallel replicas consistent: a parameter replicated across TP ranks has the
+  same gradient on each of them, so its own top-k picks the same coordinates everywhere,
+  whatever the TP-sharded parameters beside it in the bucket hold.
+
+The counts are fixed for a given density, so every DP peer hands the collective a payload of
+the same size.
+
+The compression (``compress(acc, plan, density, selector, key)``) returns a ``SparseGrad``:
+
+* ``always``: the values of ``plan.always_positions`` (sent in full; their positions are
+  known to every peer from the plan, so they are not sent);
 * ``positions`` / ``values``: the selected coordinates of the other parts, a fixed number of
   them; a padding slot (the selector came up short) carries value 0, so adding the payload
   at its positions is right whatever position the slot names.
 
-``compress_with_feedback`` wraps it in error feedback: ``acc = grad + residual`` before,
-``residual' = acc - sent`` after. Shapes depend only on the plan and the density: nothing
-here reads a device value back to the host.
+Error feedback (``ResidualBuffer``, ``compress_with_feedback``): what a rank did not send
+this step is added to its next step's gradient. Per bucket, per step: ``acc = grad +
+residual``; send ``acc`` at the selected positions; ``residual' = acc - sent``: zero at every
+position sent (``x - x`` is exactly 0), ``acc`` elsewhere. So ``sent + residual' == acc``
+exactly, which is what keeps top-k converging (Stich et al. 2018). The subtraction is
+written as an ``index_add_`` of the sent values: padding slots carry 0 and add nothing, so
+the payload's shape never depends on the data.
+
+The new residual is *staged*, not committed: if every rank then agrees to skip the step
+(non-finite gradients somewhere, or an abandoned sync), ``rollback()`` drops it and the
+residual is as it was before the step. A staged residual commits when the next step
+begins (``accumulate``), or explicitly; ``current`` is what a checkpoint must save. The
+price is a second buffer the size of the bucket.
+
+Shapes depend only on the plan and the density: nothing here reads a device value back to
+the host.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .error_feedback import ResidualBuffer
-from .plan import BucketPlan
 from .selection import Selector
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter's gradient sits in its bucket."""
+
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class BucketPlan:
+    """The selection units of one bucket (see module docstring)."""
+
+    def __init__(self, numel: int, slots: list[ParamSlot], min_param_numel: int, device: torch.device) -> None:
+        self.numel = numel
+        always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
+        self.units = sorted((s for s in slots if s.numel >= min_param_numel), key=lambda s: s.start)
+        self.always_positions = (
+            torch.cat([torch.arange(s, e, dtype=torch.long, device=device) for s, e in always])
+            if always else torch.empty(0, dtype=torch.long, device=device))
+
+    @property
+    def n_always(self) -> int:
+        return self.always_positions.numel()
+
+    def k_unit(self, unit: ParamSlot, density: float) -> int:
+        return min(unit.numel, math.ceil(density * unit.numel))
+
+    def k_selected(self, density: float) -> int:
+        """Selected coordinates sent per step at ``density`` (fixed for a given density)."""
+        return sum(self.k_unit(unit, density) for unit in self.units)
+
+    def payload_bytes(self, density: float, dtype: torch.dtype) -> int:
+        """Bytes one peer hands the all-gather per step: values of ``always``, pairs of the rest."""
+        itemsize = dtype.itemsize
+        size = self.n_always * itemsize + self.k_selected(density) * (4 + itemsize)
+        return -(-size // 4) * 4  # padded to 4 bytes (see reduce.sparse_allreduce.pack)
+
+
+class ResidualBuffer:
+    """The committed residual of one bucket plus the one staged by the step in flight.
+
+    A residual known to be zero (never set, or after a dense step) is only flagged, not
+    written or added: a bucket that goes dense costs no passes over its residual."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.committed = torch.zeros(numel, dtype=dtype, device=device)
+        self.staged = torch.zeros(numel, dtype=dtype, device=device)
+        self.has_staged = False
+        self.committed_zero = self.staged_zero = True
+
+    def commit(self) -> None:
+        if self.has_staged:
+            self.committed, self.staged = self.staged, self.committed
+            self.committed_zero, self.staged_zero = self.staged_zero, self.committed_zero
+            self.has_staged = False
+
+    def rollback(self) -> None:
+        self.has_staged = False
+
+    @property
+    def current(self) -> torch.Tensor:
+        """The residual a resumed run must start from: staged if the step went through."""
+        if self.has_staged:
+            if self.staged_zero:
+                self.staged.zero_()
+            return self.staged
+        if self.committed_zero:
+            self.committed.zero_()
+        return self.committed
+
+    def load(self, value: torch.Tensor) -> None:
+        self.committed.copy_(value.reshape(-1))
+        self.committed_zero = False
+        self.has_staged = False
+
+    def accumulate(self, grad: torch.Tensor) -> None:
+        """``grad += residual`` in place (grad becomes acc), after committing the last step.
+        ``grad`` may be shorter than the buffer when the buffer's tail is padding (always 0)."""
+        self.commit()
+        if not self.committed_zero:
+            grad.add_(self.committed.narrow(0, 0, grad.numel()))
+
+    def stage(self, acc: torch.Tensor, sent) -> None:
+        """Residual after sending ``sent`` (a ``SparseGrad``) out of ``acc``."""
+        self.staged.copy_(acc)
+        if sent.always.numel():
+            self.staged.index_add_(0, sent.always_positions, sent.always, alpha=-1)
+        self.staged.index_add_(0, sent.positions, sent.values, alpha=-1)
+        self.staged_zero = False
+        self.has_staged = True
+
+    def stage_all_sent(self) -> None:
+        """The whole of ``acc`` went out (a dense step): nothing remains."""
+        self.staged_zero = True
+        self.has_staged = True
 
 
 @dataclass

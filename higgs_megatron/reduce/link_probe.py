@@ -21,9 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..compress.compressor import compress_with_feedback
-from ..compress.error_feedback import ResidualBuffer
-from ..compress.plan import BucketPlan
+from ..compress.compressor import BucketPlan, ResidualBuffer, compress_with_feedback
 from ..compress.selection import make_selector
 from ..cost_model import CollectiveCost, LinkCosts
 from ..topology import NodeGroups

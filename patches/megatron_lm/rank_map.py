@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from higgs_megatron import HiggsConfig
 from higgs_megatron.checkpoint.commit import PendingCheckpoint, commit, common_files, hash_files, shard_files
-from higgs_megatron.checkpoint.layout import current_layout
+from higgs_megatron.checkpoint.commit import current_layout
 from higgs_megatron.checkpoint.load import agree, choose_checkpoint
 from higgs_megatron.checkpoint.manifest import Manifest
 from higgs_megatron.checkpoint.optimizer_shards import owner_written_optimizer_state
