@@ -62,9 +62,9 @@ from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
 from .device import DeviceTimer
-from .reduce import hierarchical
 from .reduce.link_probe import measure_link_costs
-from .reduce.sparse_allreduce import PendingSparseReduce, launch_sparse_allreduce
+from .reduce.sparse_allreduce import (PendingHierarchical, PendingSparseReduce, launch_hierarchical,
+                                      launch_sparse_allreduce, node_reduce_scatter)
 from .sync_plan import NodeShape, choose_form, path_at, plan_bucket
 from .topology import NodeGroups, build_node_groups
 
@@ -319,10 +319,10 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             self.grad_reduce_handle = None
 
     def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, stats: SyncStats,
-                             async_op: bool) -> hierarchical.PendingHierarchical:
+                             async_op: bool) -> PendingHierarchical:
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
-        work, piece = hierarchical.node_reduce_scatter(grad, nodes.intra)
+        work, piece = node_reduce_scatter(grad, nodes.intra)
         with self.higgs.compress_timer.measure(grad.device):
             sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
                                                  key=(self.higgs_index, idx))
@@ -330,7 +330,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         node_bytes = 2 * (work.numel() - piece.numel()) * work.element_size()
         stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
         stats.sparse_buckets += 1
-        return hierarchical.launch(sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions,
+        return launch_hierarchical(sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions,
                                    sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op)
 
     def _on_sync_done(self) -> None:

@@ -24,7 +24,7 @@ import torch
 from .compress.compressor import BucketPlan, ParamSlot
 from .config import HiggsConfig
 from .cost_model import BucketShape, LinkCosts, cheapest, predict
-from .reduce.hierarchical import slice_range
+from .reduce.sparse_allreduce import slice_range
 
 
 @dataclass(frozen=True)

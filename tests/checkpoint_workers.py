@@ -8,7 +8,7 @@ from tests.common_workers import tensor_pieces
 def optimizer_state_both_ways(argv: list[str]) -> dict:
     """After two steps: the distributed optimizer's fully_reshardable state as Megatron builds
     it (all-DP gather) and as ``owner_param_state`` builds it, as main-replica pieces."""
-    from higgs_megatron.checkpoint.optimizer_shards import owner_written_optimizer_state
+    from higgs_megatron.checkpoint.state import owner_written_optimizer_state
     from higgs_megatron.checkpoint.state import SHARDING
     from higgs_megatron.training.arguments import parse_args
     from higgs_megatron.training.loop import Trainer, training_environment

@@ -40,7 +40,7 @@ def _global(outs, field):
     pytest.param(4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"], HIGGS,
                  id="pp2xdp2-higgs"),
     # megatron-core's own fully_reshardable save pads the last stage's tied embedding with zeros
-    # here and the resumed run differs; the owner-written state (optimizer_shards.py) does not.
+    # here and the resumed run differs; the owner-written state (state.owner_written_optimizer_state) does not.
     pytest.param(4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
                      "--use-distributed-optimizer"], [], id="pp2xdp2-distopt-dense"),
 ])

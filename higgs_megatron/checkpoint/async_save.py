@@ -3,7 +3,7 @@
 Protocol (every rank, the same calls at the same iterations):
 
 1. ``start`` (after ``wait`` for the previous save: one in flight at most), in the loop's time:
-   ``commit.begin`` (the ``.tmp`` directory), the sharded state dict, and megatron-core's save
+   ``save.begin`` (the ``.tmp`` directory), the sharded state dict, and megatron-core's save
    planning (in full for a run's first save; later saves reuse its validated plan, as
    Megatron-LM's ``--ckpt-assume-constant-structure``).
 2. A writer **thread** makes the **host copy** (``device.HostCopy``: every tensor to be
@@ -22,7 +22,7 @@ Protocol (every rank, the same calls at the same iterations):
    collective.
 3. ``poll`` (after every step): one all-reduce says whether every rank's writer is done. When
    it is: megatron-core's finalization (``.metadata``; a write error on any rank is raised on
-   every rank as ``CheckpointError``), then ``commit.commit`` (rank map, rename, ``latest``).
+   every rank as ``CheckpointError``), then ``save.commit`` (rank map, rename, ``latest``).
 4. ``close`` at the end of training waits for the save in flight and commits it.
 
 A crash before step 3's commit leaves ``latest`` on the previous checkpoint, as for a
@@ -50,8 +50,8 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 
 from ..device import HostCopy, request_event
 from .manifest import CheckpointError
-from .commit import PendingCheckpoint, SaveResult, begin, commit, common_files, hash_files, shard_files
-from .save import crc32_skipped, first_line, pending_checkpoint
+from .save import (PendingCheckpoint, SaveResult, begin, commit, common_files, crc32_skipped, first_line,
+                   hash_files, pending_checkpoint, shard_files)
 from .state import TrainingState, shard_records, sharded_training_state
 
 

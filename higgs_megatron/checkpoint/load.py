@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
 
-from .commit import LATEST, checkpoint_name, committed_checkpoints
-from .commit import current_layout
+from .save import LATEST, checkpoint_name, committed_checkpoints, current_layout
 from .manifest import MANIFEST_NAME, CheckpointError, Manifest
 from .state import (TrainingState, prepare_fresh_optimizer_for_load, restore_rng_state, shard_records,
                     sharded_training_state, tolerate_torch_adam_step, untie_adam_steps)

@@ -1,27 +1,42 @@
-"""Saving, synchronously: every rank writes its shard and hashes it, then ``commit``.
+"""Writing a checkpoint and committing it: the protocol both front-ends share.
 
-Protocol (all ranks call ``save_checkpoint`` at the same iteration):
+``save_checkpoint`` runs all of it for our pretrain loop (``async_save.AsyncCheckpointer``:
+steps 2 and 3 in the background); the Megatron-LM patches write with Megatron-LM's own save
+and then call ``commit``. All ranks take part, at the same iteration:
 
-1. ``commit.begin``: rank 0 removes leftovers of interrupted saves (``*.tmp``) and makes
+1. ``begin``: rank 0 removes leftovers of interrupted saves (``*.tmp``) and makes
    ``iter_NNNNNNN.tmp``.
-2. Every rank hands its sharded state to ``dist_checkpointing.save`` (torch_dist): its own
-   ``__<rank>_*.distcp`` files; rank 0 also the common files. A write error on any rank is
-   raised on every rank by megatron-core's result exchange.
-3. Every rank hashes the files it wrote and lists the shards it held; ``commit.commit``
-   gathers them and, only if no rank failed, writes the rank map, renames the directory and
-   moves ``latest`` (see ``commit``).
+2. Every rank hands its sharded state (``state.py``) to ``dist_checkpointing.save``
+   (torch_dist): its own ``__<rank>_*.distcp`` files; rank 0 also the common files. A write
+   error on any rank is raised on every rank by megatron-core's result exchange.
+3. Every rank hashes the files it wrote (``hash_files``) and lists the shards it held.
+4. ``commit``: every rank's record (host, coordinates, files with SHA-256, shards held) and
+   error, if any, are all-gathered; any error raises ``CheckpointError`` on every rank, and
+   nothing is committed. Rank 0 writes ``rank_map.json`` (atomically) into the directory that
+   holds the files; for a checkpoint written into ``iter_NNNNNNN.tmp``, it then renames it to
+   ``iter_NNNNNNN``, replaces ``latest`` (written to a temporary file and renamed), and
+   removes the oldest committed checkpoints beyond ``keep_last``. A checkpoint written in
+   place (Megatron-LM's own save, which moves its own tracker) is committed by its rank map.
 
-A crash at any point before the commit leaves ``latest`` naming the previous checkpoint;
-the half-written ``.tmp`` directory is never loaded and is removed by the next save.
+The running job's layout and this rank's place in it (``current_layout``, ``current_coords``)
+are read from megatron-core's ``parallel_state`` at the moment of the save or load, as the
+rank map records them.
 
-``async_save.AsyncCheckpointer`` runs step 2's writing and hashing in the background and step
-3 once every rank's writer is done.
+A crash at any point before the commit leaves ``latest`` naming the previous checkpoint; a
+directory without its rank map, or still named ``.tmp``, is never loaded, and the next save
+removes it.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
 import threading
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
@@ -30,11 +45,169 @@ import torch.distributed as dist
 # torch's checkpoint failure is a BaseException: name it, or it escapes the commit protocol.
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 
-from .commit import PendingCheckpoint, SaveResult, begin, commit, common_files, hash_files, shard_files
-from .commit import current_layout
+from .. import __version__
+from .manifest import (MANIFEST_NAME, CheckpointError, FileRecord, Layout, Manifest, RankRecord, ShardRecord,
+                       sha256_of)
 from .state import TrainingState, shard_records, sharded_training_state
+
+LATEST = "latest"
+COMMON_FILES = (".metadata", "common.pt", "metadata.json")
+
+
+def current_layout(use_distributed_optimizer: bool) -> Layout:
+    return Layout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+
+
+def current_coords() -> dict[str, int]:
+    return {"tp": parallel_state.get_tensor_model_parallel_rank(),
+            "pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp": parallel_state.get_data_parallel_rank(),
+            "cp": parallel_state.get_context_parallel_rank(),
+            "ep": parallel_state.get_expert_model_parallel_rank()}
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def shard_files(rank: int, directory: Path) -> list[Path]:
+    """The torch_dist files of this rank's tensor shards."""
+    return sorted(directory.glob(f"__{rank}_*.distcp"))
+
+
+def common_files(rank: int, directory: Path) -> list[Path]:
+    """megatron-core's metadata and common state: rank 0 writes them."""
+    return [directory / name for name in COMMON_FILES if (directory / name).exists()] if rank == 0 else []
+
+
+def hash_files(paths: list[Path]) -> list[FileRecord]:
+    return [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size) for p in paths]
+
+
+def committed_checkpoints(save_dir: Path) -> list[int]:
+    """Iterations of the committed checkpoints under ``save_dir``, oldest first."""
+    found = []
+    for path in Path(save_dir).glob("iter_*"):
+        if path.suffix == ".tmp" or not (path / MANIFEST_NAME).exists():
+            continue
+        try:
+            found.append(int(path.name[len("iter_"):]))
+        except ValueError:
+            continue
+    return sorted(found)
+
+
+def megatron_core_version() -> str:
+    from megatron.core import __version__ as version
+
+    return version
+
+
+@dataclass
+class SaveResult:
+    path: Path
+    iteration: int
+    seconds: float  # from the start of the save to its commit
+    bytes: int
+
+
+@dataclass
+class PendingCheckpoint:
+    """What the rank map records, taken when the save starts (an asynchronous save commits
+    after training has moved on), and where the files go."""
+
+    iteration: int
+    consumed_samples: int
+    layout: Layout
+    higgs: dict | None
+    save_dir: Path
+    keep_last: int | None = None
+    in_place: bool = False
+    """True: the files are written into ``iter_NNNNNNN`` itself and someone else moves the
+    pointer (Megatron-LM); False: into ``iter_NNNNNNN.tmp``, renamed at the commit."""
+    started: float = 0.0
+
+    @property
+    def final(self) -> Path:
+        return self.save_dir / checkpoint_name(self.iteration)
+
+    @property
+    def directory(self) -> Path:
+        """Where the files are written."""
+        return self.final if self.in_place else self.save_dir / f"{checkpoint_name(self.iteration)}.tmp"
+
+
+def begin(pending: PendingCheckpoint) -> PendingCheckpoint:
+    """Before the files are written (every rank, for a ``.tmp`` save): rank 0 removes what
+    interrupted saves left and makes the directory; a barrier."""
+    pending.started = pending.started or time.perf_counter()
+    if dist.get_rank() == 0:
+        pending.save_dir.mkdir(parents=True, exist_ok=True)
+        for stale in pending.save_dir.glob("*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        pending.directory.mkdir()
+    dist.barrier()
+    return pending
+
+
+def commit(pending: PendingCheckpoint, shards: list[ShardRecord], files: list[FileRecord],
+           error: str | None = None) -> SaveResult:
+    """Commit a checkpoint whose files this rank wrote (``files``) or failed to (``error``);
+    collective (see the module docstring)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    record = RankRecord(rank=rank, host=socket.gethostname(), coords=current_coords(), files=files, shards=shards)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (record, error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        raise CheckpointError(f"checkpoint {pending.directory} not committed: " + "; ".join(errors))
+    if rank == 0:
+        Manifest(
+            iteration=pending.iteration, consumed_samples=pending.consumed_samples, layout=pending.layout,
+            ranks=[r for r, _ in gathered], higgs=pending.higgs,
+            versions={"higgs_megatron": __version__, "megatron_core": megatron_core_version(), "torch": torch.__version__},
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        ).write(pending.directory)
+        if not pending.in_place:
+            if pending.final.exists():
+                shutil.rmtree(pending.final)
+            os.replace(pending.directory, pending.final)
+            write_latest(pending.save_dir, pending.iteration)
+            _fsync_dir(pending.save_dir)
+            if pending.keep_last:
+                for old in committed_checkpoints(pending.save_dir)[:-pending.keep_last]:
+                    shutil.rmtree(pending.save_dir / checkpoint_name(old), ignore_errors=True)
+    dist.barrier()
+    return SaveResult(path=pending.final, iteration=pending.iteration, bytes=sum(f.bytes for r, _ in gathered
+                                                                                 for f in r.files),
+                      seconds=time.perf_counter() - pending.started)
+
+
+def write_latest(save_dir: Path, iteration: int) -> None:
+    tmp = save_dir / f"{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / LATEST)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def pending_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: int | None) -> PendingCheckpoint:

@@ -34,9 +34,8 @@ from ..callbacks import Callback, TensorBoardCallback, WandbCallback
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.async_save import AsyncCheckpointer
-from ..checkpoint.commit import SaveResult
 from ..checkpoint.interval import WallClockInterval
-from ..checkpoint.save import save_checkpoint
+from ..checkpoint.save import SaveResult, save_checkpoint
 from ..checkpoint.state import TrainingState
 from ..optimizer import torch_optimizers
 from ..cpu import cpu_megatron

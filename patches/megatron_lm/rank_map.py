@@ -44,11 +44,11 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from higgs_megatron import HiggsConfig
-from higgs_megatron.checkpoint.commit import PendingCheckpoint, commit, common_files, hash_files, shard_files
-from higgs_megatron.checkpoint.commit import current_layout
+from higgs_megatron.checkpoint.save import (PendingCheckpoint, commit, common_files, current_layout, hash_files,
+                                            shard_files)
 from higgs_megatron.checkpoint.load import agree, choose_checkpoint
 from higgs_megatron.checkpoint.manifest import Manifest
-from higgs_megatron.checkpoint.optimizer_shards import owner_written_optimizer_state
+from higgs_megatron.checkpoint.state import owner_written_optimizer_state
 from higgs_megatron.checkpoint.state import (prepare_fresh_optimizer_for_load, shard_records, tolerate_torch_adam_step,
                                              untie_adam_steps)
 from higgs_megatron.checkpoint.validation import check_layout, uncovered_shards, verify_files
@@ -61,7 +61,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 class PendingRankMap:
     """A Megatron-LM save whose files are being written; ``commit`` (collective) hashes this
-    rank's files and commits the rank map through ``higgs_megatron.checkpoint.commit``."""
+    rank's files and commits the rank map through ``higgs_megatron.checkpoint.save.commit``."""
 
     def __init__(self, checkpoint: PendingCheckpoint) -> None:
         self.checkpoint = checkpoint
