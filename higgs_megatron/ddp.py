@@ -46,7 +46,6 @@ instances are refused at construction.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -63,6 +62,7 @@ from .config import HiggsConfig
 from .cost_model import LinkCosts
 from .device import DeviceTimer
 from .reduce.link_probe import measure_link_costs
+from .stability.regroup import peer_lost
 from .reduce.sparse_allreduce import (PendingHierarchical, PendingSparseReduce, launch_hierarchical,
                                       launch_sparse_allreduce, node_reduce_scatter)
 from .sync_plan import NodeShape, choose_form, path_at, plan_bucket
@@ -123,15 +123,11 @@ class _Shared:
     trace: list[tuple[str, int]] | None = None
     check_nonfinite: bool = False
     compress_timer: DeviceTimer = field(default_factory=DeviceTimer)
-    sync_timeout: float | None = None  # seconds a wait for a sync may take before the step is marked
-    sync_timed_out: str | None = None  # why this step's sync is not to be trusted
+    sync_timeout: float | None = None  # seconds a wait for a sync may take before it is given up on
+    sync_failed: str | None = None  # why this step's sync is not to be trusted
+    abandoned: list[Any] = field(default_factory=list)  # works of this step given up on, not drained
     nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical"
     costs: LinkCosts | None = None  # with sync="auto"
-
-
-class SyncAbandoned(RuntimeError):
-    """A gradient sync timed out on a backend that cannot be drained (NCCL aborts the
-    communicator); the job must restart from its latest committed checkpoint."""
 
 
 class _GroupHandle:
@@ -140,46 +136,38 @@ class _GroupHandle:
     What ``wait`` costs: without ``sync_timeout``, ``work.wait()`` on NCCL only makes the
     current stream wait for the collective's end event (the host goes on: no host sync); on
     gloo the host waits for the collective. With ``sync_timeout``, ``work.wait(timeout)``
-    makes the host wait on either backend: NCCL busy-waits until the work completes, and
-    when the timeout passes it *aborts the communicator* and raises (torch's
-    ``WorkNCCL::wait``), so an NCCL process group that timed out is unusable; gloo raises
-    and leaves the group usable once the collective has drained."""
+    makes the host wait on either backend, at most that long. A wait that runs out, or a
+    collective that fails, gives the step's sync up: the work is not drained (a rank that
+    never returns would hang this one for ever), nothing more of this step's sync is waited
+    for or launched, and the step's decision drops it on every rank, which then rebuild the
+    data-parallel groups (``stability.regroup``)."""
 
     def __init__(self, dense_works: list[Any], sparse: list[PendingSparseReduce], average_over: int,
-                 on_done, shared: _Shared, backend: str) -> None:
+                 on_done, shared: _Shared) -> None:
         self.dense_works = dense_works
         self.sparse = sparse
         self.average_over = average_over
         self.on_done = on_done
         self.shared = shared
-        self.backend = backend
 
     def _wait(self, work) -> None:
-        """``work.wait()``, but past ``sync_timeout`` the step is marked untrustworthy (the
-        progress alignment then drops it everywhere). On gloo the wait goes on: the
-        collective must drain before its buffers are touched again. On NCCL torch has already
-        aborted the communicator, which cannot be drained: ``SyncAbandoned`` is raised, and
-        the pretrain script exits with the restart status."""
         shared = self.shared
-        if shared.sync_timeout is None or shared.sync_timed_out is not None:
+        if shared.abandoned:  # this step's sync is given up: wait for nothing more
+            shared.abandoned.append(work)
+            return
+        if shared.sync_timeout is None:
             work.wait()
             return
-        started = time.monotonic()
         try:
             work.wait(timeout=timedelta(seconds=shared.sync_timeout))
         except RuntimeError as error:
-            # NCCL's error names the watchdog ("... ran for N milliseconds before timing out"),
-            # gloo's says "Timed out": on NCCL any error of a bounded wait has cost the communicator.
-            nccl = "nccl" in self.backend
-            if not nccl and "timed out" not in str(error).lower():
+            if peer_lost(error):  # a peer process is gone: only a restart helps
                 raise
-            shared.sync_timed_out = (f"rank {dist.get_rank()}: gradient sync did not complete within "
-                                     f"{shared.sync_timeout:g}s")
-            if nccl:
-                raise SyncAbandoned(f"{shared.sync_timed_out}; NCCL aborted the data-parallel communicator, which "
-                                    "cannot be drained") from error
-            work.wait()
-            shared.sync_timed_out += f" (drained after {time.monotonic() - started:.1f}s)"
+            timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+            shared.sync_failed = (f"rank {dist.get_rank()}: gradient sync did not complete within "
+                                  f"{shared.sync_timeout:g}s" if timed_out else
+                                  f"rank {dist.get_rank()}: gradient sync failed: {str(error).splitlines()[0][:200]}")
+            shared.abandoned.append(work)
 
     def wait(self) -> None:
         for work in self.dense_works:
@@ -187,7 +175,9 @@ class _GroupHandle:
                 self._wait(work)
         for pending in self.sparse:
             pending.wait(self._wait)
-            pending.finish()
+            if self.shared.abandoned:
+                continue
+            pending.finish(self._wait)
             if self.average_over > 1:
                 pending.target.div_(self.average_over)
         self.dense_works, self.sparse = [], []
@@ -258,8 +248,16 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
         group = self._communication_group
-        async_op = self.ddp_config.overlap_grad_reduce
+        overlap = self.ddp_config.overlap_grad_reduce
+        # Bounded waits need a handle: every collective is launched asynchronously then.
+        async_op = overlap or shared.sync_timeout is not None
         average = self.ddp_config.average_in_collective
+        if shared.abandoned:  # an earlier group's sync of this step was given up: nothing more goes out
+            self.higgs_steps += 1  # as for a launched sync; the step's rollback undoes it
+            self.higgs_nonfinite = None
+            handle = _GroupHandle([], [], 1, on_done=self._on_sync_done, shared=shared)
+            self.grad_reduce_handle = handle if overlap else None
+            return
         reduce_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         density = shared.config.density(self.higgs_steps)
         dense = force_all_reduce or shared.config.dense_stage(self.higgs_steps)
@@ -279,9 +277,12 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if path == "hierarchical":
                 if sums is not None:
                     sums.append(grad.sum(dtype=torch.float32))
-                sparse.append(self._launch_hierarchical(idx, grad, density, stats, async_op))
+                pending = self._launch_hierarchical(idx, grad, density, stats, async_op)
+                if pending is None:  # the node's reduce-scatter was given up on
+                    break
+                sparse.append(pending)
                 if sums is not None:  # this rank's slice: the node's sum plus the residual
-                    sums.append(sparse[-1].piece.sum(dtype=torch.float32))
+                    sums.append(pending.piece.sum(dtype=torch.float32))
                 continue
             if path == "dense":
                 if residual is not None:  # a hierarchical form's residual covers this rank's slice
@@ -311,18 +312,21 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_steps += 1
         shared.stats.add(stats)
         handle = _GroupHandle(dense_works, sparse, dist.get_world_size(group) if average else 1,
-                              on_done=self._on_sync_done, shared=shared, backend=dist.get_backend(group))
-        if async_op:
+                              on_done=self._on_sync_done, shared=shared)
+        if overlap:
             self.grad_reduce_handle = handle
         else:
             handle.wait()
             self.grad_reduce_handle = None
 
     def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, stats: SyncStats,
-                             async_op: bool) -> PendingHierarchical:
-        """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes."""
+                             async_op: bool) -> PendingHierarchical | None:
+        """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes
+        (None: the reduce-scatter was given up on, and nothing more is launched)."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
-        work, piece = node_reduce_scatter(grad, nodes.intra)
+        work, piece = node_reduce_scatter(grad, nodes.intra, self._bounded_wait)
+        if self.higgs.abandoned:
+            return None
         with self.higgs.compress_timer.measure(grad.device):
             sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
                                                  key=(self.higgs_index, idx))
@@ -332,6 +336,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         stats.sparse_buckets += 1
         return launch_hierarchical(sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions,
                                    sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op)
+
+    def _bounded_wait(self, work) -> None:
+        _GroupHandle([], [], 1, on_done=None, shared=self.higgs)._wait(work)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:
@@ -420,15 +427,40 @@ class HiggsDDP(DistributedDataParallel):
         return self._higgs.trace
 
     def set_sync_timeout(self, seconds: float | None) -> None:
-        """Mark a step whose sync waits take longer than ``seconds`` (see ``take_sync_timeout``).
-        Bounded waits block the host on both backends (see ``_GroupHandle``); on NCCL a wait
-        that runs out raises ``SyncAbandoned``."""
+        """Give up on a step's sync when a wait for it takes longer than ``seconds`` (see
+        ``take_sync_failure``). Bounded waits block the host on both backends (``_GroupHandle``)."""
         self._higgs.sync_timeout = seconds
 
-    def take_sync_timeout(self) -> str | None:
+    @property
+    def sync_timeout(self) -> float | None:
+        return self._higgs.sync_timeout
+
+    def take_sync_failure(self) -> str | None:
         """Why the last step's sync is not to be trusted (None: it completed in time); resets."""
-        reason, self._higgs.sync_timed_out = self._higgs.sync_timed_out, None
+        reason, self._higgs.sync_failed = self._higgs.sync_failed, None
         return reason
+
+    def take_abandoned_works(self) -> list[Any]:
+        """The collectives of the last step that were given up on, not drained; resets."""
+        works, self._higgs.abandoned = self._higgs.abandoned, []
+        return works
+
+    def process_groups(self) -> list[dist.ProcessGroup]:
+        """Every process group this chunk's gradient sync waits on (what a rebuild replaces)."""
+        groups = [group for bucket_group in self.bucket_groups
+                  for group in (getattr(bucket_group, "data_parallel_group", None),
+                                getattr(bucket_group, "intra_distributed_optimizer_instance_group", None))]
+        if self._higgs.nodes is not None:
+            groups += [self._higgs.nodes.intra, self._higgs.nodes.inter]
+        unique: dict[int, dist.ProcessGroup] = {}
+        for group in groups:
+            if group is not None:
+                unique.setdefault(id(group), group)
+        return list(unique.values())
+
+    def group_holders(self) -> list[Any]:
+        """The objects of this chunk that hold its process groups as attributes."""
+        return [self, *self.buffers, *self.bucket_groups] + ([self._higgs.nodes] if self._higgs.nodes else [])
 
     def track_nonfinite(self, enabled: bool = True) -> None:
         self._higgs.check_nonfinite = enabled

@@ -10,12 +10,15 @@
   methods restore them. Residuals are per rank: they belong to this rank's gradients.
 * **A frozen second moment**, with ``freeze_adam_variance``: from the end of the dense stage
   (``dense_iters`` Adam steps) every torch AdamW inside takes ``frozen_variance``'s update.
-* **Skipping a step together.** Before stepping, every rank contributes whether its local
-  gradients held a NaN/inf (HiggsDDP records it during the sync, as a device flag) to a MAX
-  all-reduce over the default group, read once. If any rank saw one, every rank skips: no optimizer update, gradients
-  zeroed, the residuals staged by this step rolled back, and ``step()`` returns
-  ``(False, None, None)`` everywhere (a partial skip would hang the distributed
-  optimizer's parameter all-gather). ``on_skip`` callbacks hear of it.
+* **One decision per step** (``stability.alignment.StepDecision``). Before stepping, each
+  rank's inputs (whether its local gradients held a NaN/inf: a device flag HiggsDDP records
+  during the sync; why its sync cannot be trusted, if a bounded wait ran out) are agreed on
+  by every rank, read once. If any rank cannot keep the step, every rank drops it, here and
+  only here: no optimizer update, gradients zeroed, the residuals staged by this step rolled
+  back, and ``step()`` returns ``(False, None, None)`` everywhere (a partial skip would hang
+  the distributed optimizer's parameter all-gather). After a given-up sync the data-parallel
+  groups are rebuilt (``stability.regroup``) before anything else runs on them.
+  ``last_verdict`` says what was decided; ``on_skip`` callbacks hear of every drop.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from megatron.core.optimizer import MegatronOptimizer
 
 from .ddp import HiggsDDP
 from .frozen_variance import check_supported, freeze_variance
+from .stability.alignment import StepDecision, Verdict
+from .stability.progress import job_store
+from .stability.regroup import rebuild_process_groups
 
 def torch_optimizers(optimizer) -> list:
     """(Megatron optimizer, torch optimizer) pairs of a possibly wrapped, possibly chained optimizer."""
@@ -54,7 +60,11 @@ class HiggsOptimizer(MegatronOptimizer):
         self.skipped_steps = 0
         self.skip_residuals_on_load = False
         """Set by a loader moving to another layout: residuals are not loaded and stay zero."""
-        self.on_skip: list[Callable[[], None]] = []
+        self.on_skip: list[Callable[[Verdict], None]] = []
+        self.decision = StepDecision()
+        """Replaced by a store-voting one when the sync's waits are bounded (``--higgs-step-timeout``)."""
+        self.last_verdict: Verdict | None = None
+        self.regroup_seconds = 0.0
         for chunk in self.model_chunks:
             chunk.track_nonfinite(True)
         config = self.model_chunks[0].higgs_config if self.model_chunks else None
@@ -74,28 +84,36 @@ class HiggsOptimizer(MegatronOptimizer):
     param_groups = property(lambda self: self.inner.param_groups,
                             lambda self, value: setattr(self.inner, "param_groups", value))
 
-    def _any_rank_nonfinite(self) -> bool:
-        """The step's one decision: each chunk's device flag, folded on the device, MAX-reduced
-        over the default group on the gradients' device, and read once (the only read of the
-        step's gradient path: Megatron's own step reads its grad norm right after)."""
+    def _decide(self) -> Verdict:
+        """The step's one decision: the chunks' device flags folded on the device, with each
+        chunk's sync failure, agreed by every rank (the step's only read of its gradient path:
+        Megatron's own step reads its grad norm right after)."""
         if not self.model_chunks:
-            return False
-        flag = torch.stack([chunk.nonfinite_flag() for chunk in self.model_chunks]).any().float().reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+            return Verdict({})
+        flag = torch.stack([chunk.nonfinite_flag() for chunk in self.model_chunks]).any()
+        failures = [failure for chunk in self.model_chunks if (failure := chunk.take_sync_failure())]
+        return self.decision.decide(flag, "; ".join(failures) or None, flag.device)
 
     @torch.no_grad()
     def step(self):
-        if self._any_rank_nonfinite():
-            for chunk in self.model_chunks:
-                chunk.rollback_residuals()
-                chunk.zero_grad_buffer()
-            self.inner.zero_grad()
-            self.skipped_steps += 1
-            for callback in self.on_skip:
-                callback()
-            return False, None, None
-        return self.inner.step()
+        verdict = self.last_verdict = self._decide()
+        if verdict.keep:
+            return self.inner.step()
+        for chunk in self.model_chunks:
+            chunk.rollback_residuals()
+            chunk.zero_grad_buffer()
+        self.inner.zero_grad()
+        self.skipped_steps += 1
+        if verdict.sync_failed:
+            vote = self.decision.vote
+            store = vote.store if vote is not None else job_store("higgs/regroup/")
+            self.regroup_seconds = rebuild_process_groups(
+                self.model_chunks, [megatron for megatron, _ in torch_optimizers(self.inner)], store,
+                vote.attempt if vote is not None else self.skipped_steps,
+                self.model_chunks[0].sync_timeout or 60.0)
+        for callback in self.on_skip:
+            callback(verdict)
+        return False, None, None
 
     def state_dict(self):
         return {"optimizer": self.inner.state_dict(),

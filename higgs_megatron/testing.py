@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import pickle
 import socket
 import subprocess
@@ -121,5 +122,14 @@ def run_pretrain_script(argv: Sequence[str], nproc: int, timeout: float = 300.0,
     output captured."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *extra_launcher_args, str(script), *argv]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=REPO_ROOT)
+    # A session of its own: on a timeout the launcher and every rank (a stopped one included) go.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=REPO_ROOT,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

@@ -79,8 +79,8 @@ class PendingSparseReduce:
             (waiter or _plain_wait)(self.work)
             self.work = None
 
-    def finish(self) -> None:
-        self.wait()
+    def finish(self, waiter=None) -> None:
+        self.wait(waiter)
         per_peer = self.gathered.view(self.world, -1)
         self.target.zero_()
         for peer in range(self.world):
@@ -109,14 +109,16 @@ def slice_range(numel: int, ranks_per_node: int, local_index: int) -> tuple[int,
     return local_index * size, (local_index + 1) * size
 
 
-def node_reduce_scatter(grad: torch.Tensor, intra: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the padded work buffer, this rank's slice of it holding the node's sum)."""
+def node_reduce_scatter(grad: torch.Tensor, intra: dist.ProcessGroup,
+                        waiter=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the padded work buffer, this rank's slice of it holding the node's sum); ``waiter(work)``
+    replaces ``work.wait()``, as in ``PendingSparseReduce.wait``."""
     ranks = dist.get_world_size(intra)
     size = -(-grad.numel() // ranks)
     work = grad if size * ranks == grad.numel() else torch.cat(
         [grad, torch.zeros(size * ranks - grad.numel(), dtype=grad.dtype, device=grad.device)])
     piece = work.view(ranks, size).select(0, dist.get_rank(intra))
-    dist.reduce_scatter_tensor(piece, work, group=intra)
+    (waiter or _plain_wait)(dist.reduce_scatter_tensor(piece, work, group=intra, async_op=True))
     return work, piece
 
 
@@ -130,9 +132,9 @@ class PendingHierarchical:
     def wait(self, waiter=None) -> None:
         self.sparse.wait(waiter)
 
-    def finish(self) -> None:
-        self.sparse.finish()  # the slice now holds the sum over all nodes
-        dist.all_gather_into_tensor(self.work, self.piece, group=self.intra)
+    def finish(self, waiter=None) -> None:
+        self.sparse.finish(waiter)  # the slice now holds the sum over all nodes
+        (waiter or _plain_wait)(dist.all_gather_into_tensor(self.work, self.piece, group=self.intra, async_op=True))
         if self.work.data_ptr() != self.target.data_ptr():
             self.target.copy_(self.work.narrow(0, 0, self.target.numel()))
 

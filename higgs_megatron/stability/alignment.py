@@ -1,13 +1,22 @@
-"""Progress alignment: every rank keeps a step, or every rank drops it.
+"""One decision per step: every rank keeps the step, or every rank drops it.
 
-Per attempt of a step (torchft's per-step commit vote, on the store rather than a process
-group, so a group that can no longer be trusted does not decide it): after forward,
-backward and the gradient sync, each rank writes ``vote/<attempt>/<rank>`` = ``ok`` or the
-reason it cannot keep the step (its sync timed out, it failed); then it waits for every
-rank's vote and reads them all. One reason anywhere drops the step everywhere: no optimizer
-step, gradients discarded, error-feedback residuals back to what they were, and the same
-iteration runs again on the same data, so every DP replica stays identical. The attempt
-counter only grows, so keys never repeat within a job attempt.
+``StepDecision.decide`` is the only place a step is kept or dropped (torchft's
+``should_commit``). Its inputs are each rank's own: whether its local gradients held a NaN or
+inf (a device flag, read once here), and why its gradient sync cannot be trusted, if it
+cannot (a wait ran out, a collective failed). The ranks agree through one of two channels:
+
+* with ``--higgs-step-timeout``, the job's store (``StepVote``), which no training process
+  group can block: each rank writes ``vote/<attempt>/<rank>`` and waits, bounded, for every
+  rank's; a rank that does not vote in time is named in ``VoteTimeout``;
+* otherwise one MAX all-reduce over the default group: no sync can time out then, so the
+  non-finite flag is the only input.
+
+A dropped step means no optimizer step, gradients discarded and error-feedback residuals as
+before the step (``HiggsOptimizer``'s one rollback). A step dropped because a sync was given
+up on (``Verdict.sync_failed``) is a progress alignment: the data-parallel groups are rebuilt
+and the same iteration runs again on the same data. A step dropped only for non-finite
+gradients is a skipped iteration, as Megatron counts them: the same data would give the
+same NaN. The attempt counter only grows, so store keys never repeat within a job attempt.
 
 ``AlignmentLog`` keeps what the operator needs: how many alignments, their causes and the
 time each cost, and whether they come more often than once per ``too_often`` seconds.
@@ -15,28 +24,87 @@ time each cost, and whether they come more often than once per ``too_often`` sec
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+
+NONFINITE = "non-finite gradients"
+
+
+class VoteTimeout(RuntimeError):
+    """Some rank did not vote in time: it is stuck or gone, and the job must restart."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    dropped: dict[int, str]  # rank -> why it could not keep the step; empty: the step is kept
+    sync_failed: bool = False  # some rank gave up on its gradient sync
+
+    @property
+    def keep(self) -> bool:
+        return not self.dropped
+
+    @property
+    def cause(self) -> str:
+        return "; ".join(self.dropped.values())
 
 
 class StepVote:
+    """The store channel of ``StepDecision``; ``timeout`` bounds the wait for the other ranks."""
+
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float = 1800.0) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.timeout = timedelta(seconds=timeout)
+        self.timeout = timeout
         self.attempt = 0
 
-    def decide(self, reason: str | None) -> dict[int, str]:
-        """Vote (None = keep); returns {rank: reason} of every rank that wants the step dropped."""
+    def decide(self, nonfinite: bool, sync_failure: str | None) -> Verdict:
         self.attempt += 1
         prefix = f"vote/{self.attempt}/"
-        self.store.set(prefix + str(self.rank), reason or "ok")
+        self.store.set(prefix + str(self.rank), json.dumps({"nonfinite": nonfinite, "sync": sync_failure}))
         keys = [prefix + str(rank) for rank in range(self.world_size)]
-        self.store.wait(keys, self.timeout)
-        votes = {rank: self.store.get(key).decode() for rank, key in enumerate(keys)}
-        return {rank: vote for rank, vote in votes.items() if vote != "ok"}
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except RuntimeError as error:  # the store's own timeout error
+            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+            raise VoteTimeout(f"rank(s) {missing} did not vote on step attempt {self.attempt} within "
+                              f"{self.timeout:g}s (--higgs-restart-timeout)") from error
+        dropped, sync_failed = {}, False
+        for rank, key in enumerate(keys):
+            vote = json.loads(self.store.get(key))
+            reasons = ([f"rank {rank}: {NONFINITE}"] if vote["nonfinite"] else []) + \
+                      ([vote["sync"]] if vote["sync"] else [])
+            sync_failed |= bool(vote["sync"])
+            if reasons:
+                dropped[rank] = "; ".join(reasons)
+        return Verdict(dropped, sync_failed)
+
+
+class StepDecision:
+    """Keep or drop this step, the same on every rank (see the module docstring)."""
+
+    def __init__(self, vote: StepVote | None = None) -> None:
+        self.vote = vote
+
+    def decide(self, nonfinite: torch.Tensor | None, sync_failure: str | None, device: torch.device) -> Verdict:
+        """``nonfinite``: this rank's device flag (None: not tracked); ``sync_failure``: why this
+        rank's sync cannot be trusted. Without a vote, both travel in one MAX all-reduce on
+        ``device`` (the default group's), read once."""
+        if self.vote is not None:
+            return self.vote.decide(bool(nonfinite) if nonfinite is not None else False, sync_failure)
+        flags = torch.zeros(2, device=device)
+        if nonfinite is not None:
+            flags[0] = nonfinite.float()
+        if sync_failure:
+            flags[1] = 1.0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite_anywhere, failed_anywhere = flags.tolist()
+        reasons = ([f"some rank: {NONFINITE}"] if nonfinite_anywhere else []) + \
+                  ([sync_failure or "some rank: gradient sync failed"] if failed_anywhere else [])
+        return Verdict({-1: "; ".join(reasons)} if reasons else {}, sync_failed=bool(failed_anywhere))
 
 
 @dataclass

@@ -4,13 +4,16 @@
   enough for the others' gradient sync to time out: a progress alignment follows.
 * ``slow@R:I:S``  the same stall, meant to stay within ``--higgs-step-timeout``: a warning at
   most, the step goes through.
+* ``freeze@R:I``  rank R stops itself (SIGSTOP) at the start of iteration I and never returns:
+  a rank stuck for good. The others give its sync up, cannot complete the step's vote, and
+  exit for a restart after ``--higgs-restart-timeout``; the launcher kills the frozen rank.
 * ``crash@R:I``   rank R dies at the start of iteration I (``os._exit(CRASH_EXIT_CODE)``).
 * ``nan@R:I``     rank R's loss, and so its gradients, are NaN in iteration I: the step is
   skipped on every rank.
 
 A fault fires once, in the attempt of the job that first reaches its iteration: attempt
-``TORCHELASTIC_RESTART_COUNT`` = the number of injected crashes at earlier iterations (each
-crash costs one restart under ``torchrun --max-restarts``). So a restarted job resumes from
+``TORCHELASTIC_RESTART_COUNT`` = the number of injected crashes and freezes at earlier
+iterations (each costs one restart under ``torchrun --max-restarts``). So a restarted job resumes from
 its checkpoint and runs through the crash's iteration again without dying again, and five
 crashes in one run fire one per attempt.
 """
@@ -20,12 +23,24 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 
-KINDS = ("hang", "slow", "crash", "nan")
+KINDS = ("hang", "slow", "freeze", "crash", "nan")
+RESTARTING = ("freeze", "crash")  # faults that end the job's attempt
 CRASH_EXIT_CODE = 43  # distinct from Python's 1 and argparse's 2: "an injected crash"
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<rank>\d+):(?P<iteration>\d+)(?::(?P<seconds>[0-9.]+))?$")
+
+
+def exit_at_once(code: int) -> None:
+    """Die now, without cleanup (a process group stuck in a collective could hang it), but with
+    this rank's helper processes (megatron-core's checkpoint results-queue manager), as a
+    process group killed together would: an orphaned helper would hold the launcher's output
+    pipes open."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(code)
 
 
 class FaultSpecError(ValueError):
@@ -56,7 +71,7 @@ def parse_fault(spec: str, world_size: int | None = None) -> Fault:
         raise FaultSpecError(f"--inject-fault {spec!r}: iterations count from 1")
     if kind in ("hang", "slow") and seconds <= 0:
         raise FaultSpecError(f"--inject-fault {spec!r}: {kind} needs SECONDS > 0 (e.g. {kind}@{rank}:{iteration}:10)")
-    if kind in ("crash", "nan") and match["seconds"]:
+    if kind in ("freeze", "crash", "nan") and match["seconds"]:
         raise FaultSpecError(f"--inject-fault {spec!r}: {kind} takes no SECONDS")
     if world_size is not None and rank >= world_size:
         raise FaultSpecError(f"--inject-fault {spec!r}: rank {rank} does not exist in a world of {world_size}")
@@ -68,7 +83,7 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], rank: int) -> None:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-        crashes = sorted({f.iteration for f in faults if f.kind == "crash"})
+        crashes = sorted({f.iteration for f in faults if f.kind in RESTARTING})
         self.pending = [f for f in faults
                         if f.rank == rank and sum(i < f.iteration for i in crashes) == attempt]
 
@@ -83,12 +98,10 @@ class FaultInjector:
         if on_fire is not None:
             on_fire(fault)
         if fault.kind == "crash":
-            # Die at once, without cleanup, but with this rank's helper processes (megatron-core's
-            # checkpoint results-queue manager), as a process group killed together would: an
-            # orphaned helper would hold the launcher's output pipes open.
-            for child in multiprocessing.active_children():
-                child.kill()
-            os._exit(CRASH_EXIT_CODE)
+            exit_at_once(CRASH_EXIT_CODE)
+        if fault.kind == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return None
         if fault.kind in ("hang", "slow"):
             time.sleep(fault.seconds)
             return None

@@ -57,11 +57,16 @@ class ProgressBoard:
 
 
 class Watchdog:
-    """Warns through ``warn(message, stalled)`` about ranks that stopped advancing."""
+    """Warns through ``warn(message, stalled)`` about ranks that stopped advancing; with
+    ``give_up_after``, calls ``give_up(message)`` once some rank has not advanced for that long
+    (outside ``checkpoint``, whose writes may take long): a hang no wait of ours bounds, such
+    as one inside Megatron's own tensor- or pipeline-parallel collectives."""
 
     def __init__(self, store: dist.Store, world_size: int, timeout: float,
-                 warn: Callable[[str, list[dict]], None], poll: float | None = None) -> None:
+                 warn: Callable[[str, list[dict]], None], poll: float | None = None,
+                 give_up_after: float | None = None, give_up: Callable[[str], None] | None = None) -> None:
         self.store, self.world_size, self.timeout, self.warn = store, world_size, timeout, warn
+        self.give_up_after, self.give_up = give_up_after, give_up
         self.poll = poll or max(0.2, min(5.0, timeout / 4))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="higgs-watchdog", daemon=True)
@@ -85,16 +90,23 @@ class Watchdog:
             except Exception:  # the store is gone: the job is ending
                 return
             now = time.monotonic()
-            stalled = []
+            stalled, lost = [], []
             for rank, entry in enumerate(entries):
                 last, changed, reported = seen.get(rank, (None, now, False))
                 if entry != last:
                     seen[rank] = (entry, now, False)
                     continue
                 iteration, phase = entry.split(" ", 1)
+                if (self.give_up_after is not None and now - changed >= self.give_up_after
+                        and phase not in ("done", "checkpoint")):
+                    lost.append({"rank": rank, "iteration": int(iteration), "phase": phase,
+                                 "seconds": round(now - changed, 1)})
                 if now - changed >= self.timeout and not reported and phase != "done":
                     stalled.append({"rank": rank, "iteration": int(iteration), "phase": phase,
                                     "seconds": round(now - changed, 1)})
                     seen[rank] = (entry, changed, True)
             if stalled:
                 self.warn(describe(stalled, self.timeout), stalled)
+            if lost and self.give_up is not None:
+                self.give_up(describe(lost, self.give_up_after))
+                return

@@ -20,7 +20,7 @@ from ..logs import setup_logging
 from ..config import add_higgs_args, compression_flags_given, higgs_config_from_args
 from ..memory import OffloadError
 from ..memory.flags import add_offload_args, offload_config_from_args
-from ..stability.faults import FaultSpecError, parse_fault
+from ..stability.flags import add_stability_args, check_stability
 from .length_buckets import parse_buckets
 
 EXIT_USAGE = 2
@@ -138,12 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from the latest committed checkpoint in --save if there is one (--load defaults "
                         "to --save): what a job restarted by torchrun --max-restarts needs")
 
-    g = parser.add_argument_group("stability")
-    g.add_argument("--higgs-step-timeout", type=float, default=None, metavar="SECONDS",
-                   help="warn about ranks that make no progress for this long, and drop a step (on every rank) "
-                        "whose gradient sync takes longer: a progress alignment")
-    g.add_argument("--inject-fault", action="append", default=[], metavar="KIND@RANK:ITER[:SECONDS]",
-                   help="inject a fault (hang, slow, crash, nan) on a rank at an iteration; repeatable")
+    add_stability_args(parser.add_argument_group("stability"))
     add_higgs_args(parser)
     add_offload_args(parser)
     return parser
@@ -206,11 +201,9 @@ def _check_optimizer(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _check_stability(args: argparse.Namespace, world_size: int) -> None:
-    if args.higgs_step_timeout is not None and not args.use_higgs:
-        raise UsageError("--higgs-step-timeout needs --use-higgs (it times the compressed sync's collectives)")
     try:
-        args.faults = [parse_fault(spec, world_size) for spec in args.inject_fault]
-    except FaultSpecError as error:
+        check_stability(args, world_size, args.use_higgs)
+    except ValueError as error:
         raise UsageError(str(error)) from None
 
 

@@ -39,12 +39,13 @@ from ..checkpoint.save import SaveResult, save_checkpoint
 from ..checkpoint.state import TrainingState
 from ..optimizer import torch_optimizers
 from ..cpu import cpu_megatron
-from ..ddp import HiggsDDP, SyncAbandoned, sync_traffic
+from ..ddp import HiggsDDP, sync_traffic
 from ..device import collective_device, model_device, to_device
 from ..logs import get_logger, setup_logging
 from ..memory import MemoryManager, make_probe
 from ..memory.flags import apply_block_allocator
 from ..optimizer import wrap_optimizer
+from ..stability.regroup import RESTART_EXIT_CODE, peer_lost, prepare_backend
 from .arguments import UsageError, parse_args, report_usage_error
 from .corpus import DataPathError, build_corpus, find_text_files
 from .data import Batch, build_datasets, iteration_batches
@@ -52,7 +53,7 @@ from .length_buckets import LengthBuckets
 from .metrics import MetricsLogger
 from .model import build_model, build_optimizer, build_scheduler, num_parameters, transformer_config
 from .parallel import destroy_parallel, init_parallel, local_world_size, set_seeds
-from .resilience import Resilience, peer_lost
+from .resilience import Resilience
 
 
 log = get_logger(__name__)
@@ -137,9 +138,9 @@ class Trainer:
         if args.use_higgs:
             self.model = build_model(args, self.config, HiggsDDP, higgs_config=args.higgs_config)
             self.optimizer = wrap_optimizer(build_optimizer(args, self.model), self.model)
-            self.optimizer.on_skip.append(lambda: self.log.event(
-                "step_skipped", f" iteration {self.iteration + 1}: non-finite gradients on some rank; "
-                "step skipped on every rank, error-feedback residuals kept", iteration=self.iteration + 1))
+            self.optimizer.on_skip.append(lambda verdict: None if verdict.sync_failed else self.log.event(
+                "step_skipped", f" iteration {self.iteration + 1}: {verdict.cause}; step skipped on every rank, "
+                "error-feedback residuals kept", iteration=self.iteration + 1, cause=verdict.cause))
         else:
             self.model = build_model(args, self.config)
             self.optimizer = build_optimizer(args, self.model)
@@ -163,7 +164,7 @@ class Trainer:
             higgs=args.higgs_config.to_dict() if args.use_higgs else None,
         )
         self._log_sync_plan()
-        self.resilience = Resilience(args, self.log, self.model)
+        self.resilience = Resilience(args, self.log, self.model, self.optimizer)
         self.resilience.watch_grad_sync(get_model_config(self.model[0]), lambda: self.iteration + 1)
         self.iteration = 0
         self.consumed_samples = 0
@@ -310,12 +311,14 @@ class Trainer:
         self.optimizer.zero_grad()
         loss_dicts = self._forward_backward(self.consumed_samples, False, self.datasets.train,
                                             poison=fault is not None and fault.kind == "nan")
-        if not self.resilience.vote(iteration):
-            return None, None, None
-        self.resilience.phase(iteration, "optimizer")
+        self.resilience.phase(iteration, "vote")  # the step's decision, then the optimizer
         if self.checkpointer is not None:
             self.checkpointer.before_update()  # an async save's host copy must be done first
-        update_successful, grad_norm, _ = self.optimizer.step()
+        with self.resilience.bounded():
+            update_successful, grad_norm, _ = self.optimizer.step()
+        if self.resilience.realigned(iteration, getattr(self.optimizer, "last_verdict", None),
+                                     getattr(self.optimizer, "regroup_seconds", 0.0)):
+            return None, None, None
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
         return update_successful, self._reduce_loss(loss_dicts), grad_norm
@@ -527,6 +530,8 @@ def training_environment(args: argparse.Namespace) -> Iterator[None]:
         torch.set_num_threads(args.num_threads or _default_threads())
     apply_block_allocator(getattr(args, "higgs_block_allocator", "off"))  # before the first allocation
     scope = cpu_megatron() if not torch.cuda.is_available() else contextlib.nullcontext()
+    if getattr(args, "higgs_step_timeout", None) is not None:
+        prepare_backend(args.distributed_backend)
     with scope:
         init_parallel(args.distributed_backend, args.tensor_model_parallel_size,
                       args.pipeline_model_parallel_size, args.distributed_timeout_minutes)
@@ -566,10 +571,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error(f"checkpoint error: {error}")
         return EXIT_CHECKPOINT
     except RuntimeError as error:
-        if not (peer_lost(error) or isinstance(error, SyncAbandoned)):
+        if not peer_lost(error):
             raise
-        what = "the gradient sync was abandoned" if isinstance(error, SyncAbandoned) else "a peer rank is gone"
-        log.error(f"[rank {dist_rank_or_launcher()}] {what} ({str(error).splitlines()[0][:200]}); "
+        log.error(f"[rank {dist_rank_or_launcher()}] a peer rank is gone ({str(error).splitlines()[0][:200]}); "
                   f"exiting with status {EXIT_PEER_LOST} so that torchrun --max-restarts restarts the job "
                   "(with --auto-resume it resumes from the latest committed checkpoint)")
         return EXIT_PEER_LOST
@@ -577,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 EXIT_CHECKPOINT = 3
-EXIT_PEER_LOST = 75  # EX_TEMPFAIL: try again
+EXIT_PEER_LOST = RESTART_EXIT_CODE
 
 
 def dist_rank_or_launcher() -> int:

@@ -1,17 +1,21 @@
-"""The pretrain loop's side of stability: faults, progress, the watchdog and the step vote.
+"""The pretrain loop's side of stability: faults, progress, the watchdog and the step's decision.
 
 Per attempt of iteration i (``Trainer.train_step``):
 
 1. ``begin(i)``: publish phase ``forward-backward``, then fire this rank's injected fault for
-   i, if any (a ``hang``/``slow`` sleeps here, inside the step; a ``crash`` exits; a ``nan``
-   poisons this rank's loss).
-2. Forward, backward and the gradient sync run; with ``--higgs-step-timeout`` each wait for
-   a sync collective is bounded (``HiggsDDP.set_sync_timeout``): a wait that runs out marks
-   the step and then drains.
-3. ``vote()``: every rank says whether its sync finished in time (``stability.alignment``);
-   if any did not, every rank drops the step (no optimizer step, residuals rolled back) and
-   runs iteration i again on the same data. That is a progress alignment: an event with its
-   cause and the time it cost, and a warning when they come more often than every 10 minutes.
+   i, if any (a ``hang``/``slow`` sleeps here, inside the step; a ``freeze`` stops the
+   process; a ``crash`` exits; a ``nan`` poisons this rank's loss).
+2. Forward, backward and the gradient sync run; with ``--higgs-step-timeout`` every wait for
+   a sync collective is bounded (``HiggsDDP.set_sync_timeout``): a wait that runs out gives
+   the sync up, without draining it.
+3. ``optimizer.step()`` takes the step's one decision (``HiggsOptimizer``, through the store
+   vote set here): if any rank gave its sync up, every rank drops the step, rebuilds the
+   data-parallel groups and runs iteration i again on the same data (``realigned``). That is
+   a progress alignment: an event with its cause and the time it cost, and a warning when
+   they come more often than every 10 minutes.
+4. A rank that waits ``--higgs-restart-timeout`` for the vote, or that the watchdog sees stuck
+   that long, logs why and exits with status 75 (``regroup.RESTART_EXIT_CODE``), so that
+   ``torchrun --max-restarts`` restarts the job from its latest checkpoint.
 
 Without ``--higgs-step-timeout`` and ``--inject-fault`` none of this touches the store.
 """
@@ -19,41 +23,38 @@ Without ``--higgs-step-timeout`` and ``--inject-fault`` none of this touches the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import time
+from typing import Iterator
 
 import torch.distributed as dist
 
 from ..ddp import HiggsDDP
 from ..logs import get_logger
-from ..stability.alignment import AlignmentLog, StepVote
-from ..stability.faults import Fault, FaultInjector
+from ..stability.alignment import AlignmentLog, StepDecision, StepVote, Verdict, VoteTimeout
+from ..stability.faults import Fault, FaultInjector, exit_at_once
 from ..stability.progress import ProgressBoard, Watchdog, job_store
+from ..stability.regroup import RESTART_EXIT_CODE, GroupsLost
 from .metrics import MetricsLogger
 
 
 log = get_logger(__name__)
 
-_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
-
-
-def peer_lost(error: BaseException) -> bool:
-    """Whether a collective failed because a peer process is gone (gloo's socket errors)."""
-    text = str(error).lower()
-    return any(marker in text for marker in _PEER_LOST)
-
 
 class Resilience:
     _instances = 0
 
-    def __init__(self, args: argparse.Namespace, log: MetricsLogger, model: list) -> None:
+    def __init__(self, args: argparse.Namespace, log: MetricsLogger, model: list, optimizer) -> None:
         self.log = log
         self.model = model
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout = args.higgs_step_timeout
+        self.restart_timeout = args.higgs_restart_timeout
         self.injector = FaultInjector(args.faults, self.rank)
         self.alignments = AlignmentLog()
-        self.board = self.vote_ = self.watchdog = None
+        self.board = self.watchdog = None
         self.attempt_started = 0.0
         if self.timeout is None:
             return
@@ -63,13 +64,14 @@ class Resilience:
         prefix = f"higgs/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{Resilience._instances}/"
         store = job_store(prefix)
         self.board = ProgressBoard(store, self.rank)
-        self.vote_ = StepVote(store, self.rank, self.world_size)
+        optimizer.decision = StepDecision(StepVote(store, self.rank, self.world_size, self.restart_timeout))
         for chunk in model:
             if isinstance(chunk, HiggsDDP):
                 chunk.set_sync_timeout(self.timeout)
         if log.is_writer:
             watch_store = dist.PrefixStore(prefix, store.underlying_store.clone())
-            self.watchdog = Watchdog(watch_store, self.world_size, self.timeout, self._stalled).start()
+            self.watchdog = Watchdog(watch_store, self.world_size, self.timeout, self._stalled,
+                                     give_up_after=self.restart_timeout, give_up=self.restart).start()
 
     def watch_grad_sync(self, config, iteration) -> None:
         """Publish phase ``grad-sync`` when Megatron starts waiting for the sync, so that the
@@ -102,30 +104,46 @@ class Resilience:
         self.log.event("fault_injected", fault=str(fault), kind=fault.kind, rank=fault.rank,
                        iteration=fault.iteration)
 
-    def vote(self, iteration: int) -> bool:
-        """True: keep the step. False: every rank drops it (already logged)."""
-        if self.vote_ is None:
-            return True
-        self.phase(iteration, "vote")
-        reasons = [chunk.take_sync_timeout() for chunk in self.model if isinstance(chunk, HiggsDDP)]
-        reason = next((r for r in reasons if r), None)
-        dropped = self.vote_.decide(reason)
-        if not dropped:
-            return True
-        for chunk in self.model:
-            if isinstance(chunk, HiggsDDP):
-                chunk.rollback_residuals()
+    @contextlib.contextmanager
+    def bounded(self) -> Iterator[None]:
+        """Around the step's decision: a vote that ran out, or groups that could not be rebuilt,
+        end this rank for a restart."""
+        try:
+            yield
+        except (VoteTimeout, GroupsLost) as error:
+            self.restart(str(error))
+
+    def restart(self, message: str) -> None:
+        """Log why, then exit with the restart status at once: a process group stuck in a
+        collective could hang an orderly shutdown."""
+        text = (f"[rank {self.rank}] {message}; exiting with status {RESTART_EXIT_CODE} so that torchrun "
+                "--max-restarts restarts the job (with --auto-resume from the latest committed checkpoint)")
+        if self.log.is_writer:
+            self.log.event("restart_needed", f" ERROR: {text}", rank=self.rank, reason=message)
+        else:
+            log.error(text)
+        self.log.close()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        exit_at_once(RESTART_EXIT_CODE)
+
+    def realigned(self, iteration: int, verdict: Verdict | None, regroup_seconds: float) -> bool:
+        """True when every rank dropped the step because a sync was given up on (logged here):
+        the iteration runs again."""
+        if verdict is None or not verdict.sync_failed:
+            return False
         lost = time.monotonic() - self.attempt_started
-        cause = "; ".join(dropped.values())
-        frequent = self.alignments.record(cause, lost)
+        frequent = self.alignments.record(verdict.cause, lost)
         self.log.event("progress_alignment", f" progress alignment at iteration {iteration}: step dropped on every "
-                       f"rank ({cause}); {lost:.1f}s lost; {self.alignments.count} so far",
-                       iteration=iteration, cause=cause, seconds_lost=lost, count=self.alignments.count)
+                       f"rank ({verdict.cause}); data-parallel groups rebuilt in {regroup_seconds:.2f}s; "
+                       f"{lost:.1f}s lost; {self.alignments.count} so far",
+                       iteration=iteration, cause=verdict.cause, seconds_lost=lost, count=self.alignments.count,
+                       regroup_seconds=regroup_seconds)
         if frequent:
             self.log.event("alignments_frequent", " WARNING: progress alignments more often than every "
                            f"{self.alignments.too_often / 60:.0f} minutes: the cluster needs attention "
                            "(links, NICs, memory pressure)", iteration=iteration)
-        return False
+        return True
 
     def close(self, iteration: int) -> None:
         self.phase(iteration, "done")

@@ -1,0 +1,50 @@
+"""The stability flags both front-ends add, declared and checked once.
+
+Our pretrain script adds them to its parser; the Megatron-LM patches add them to Megatron-LM's.
+``check_stability`` raises ``ValueError`` naming the flag; each front-end turns that into
+its own usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .faults import FaultSpecError, parse_fault
+
+DEFAULT_RESTART_TIMEOUT = 300.0
+
+
+def add_stability_args(group: argparse._ArgumentGroup) -> None:
+    """``--higgs-step-timeout``, ``--higgs-restart-timeout`` and ``--inject-fault``."""
+    group.add_argument("--higgs-step-timeout", type=float, default=None, metavar="SECONDS",
+                       help="warn about ranks that make no progress for this long, and give up on a gradient "
+                            "sync that takes longer: every rank drops the step, rebuilds its data-parallel groups "
+                            "and runs the iteration again (a progress alignment)")
+    group.add_argument("--higgs-restart-timeout", type=float, default=None, metavar="SECONDS",
+                       help="with --higgs-step-timeout: a rank that waits this long for another (in the step's "
+                            "vote, or stuck anywhere as the watchdog sees it) exits with status 75, so that "
+                            f"torchrun --max-restarts restarts the job (default {DEFAULT_RESTART_TIMEOUT:g})")
+    group.add_argument("--inject-fault", action="append", default=[], metavar="KIND@RANK:ITER[:SECONDS]",
+                       help="inject a fault (hang, slow, freeze, crash, nan) on a rank at an iteration; repeatable")
+
+
+def check_stability(args: argparse.Namespace, world_size: int, use_higgs: bool) -> None:
+    """Fills ``args.faults`` and the restart timeout's default; raises ValueError naming the flag."""
+    if args.higgs_step_timeout is not None and not use_higgs:
+        raise ValueError("--higgs-step-timeout needs --use-higgs (it bounds the compressed sync's waits)")
+    for flag in ("higgs_step_timeout", "higgs_restart_timeout"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.higgs_restart_timeout is not None and args.higgs_step_timeout is None:
+        raise ValueError("--higgs-restart-timeout needs --higgs-step-timeout")
+    if args.higgs_step_timeout is not None:
+        if args.higgs_restart_timeout is None:
+            args.higgs_restart_timeout = max(DEFAULT_RESTART_TIMEOUT, 2 * args.higgs_step_timeout)
+        if args.higgs_restart_timeout <= args.higgs_step_timeout:
+            raise ValueError(f"--higgs-restart-timeout {args.higgs_restart_timeout:g} must be longer than "
+                             f"--higgs-step-timeout {args.higgs_step_timeout:g}")
+    try:
+        args.faults = [parse_fault(spec, world_size) for spec in args.inject_fault]
+    except FaultSpecError as error:
+        raise ValueError(str(error)) from None

@@ -1,0 +1,111 @@
+"""Abandon, then rebuild: fresh data-parallel process groups after a gradient sync was given up on.
+
+Why: a collective that timed out cannot be waited out (a rank that never returns would hang
+its peers for ever), and a communicator left mid-collective cannot be trusted for the next
+one. So a bounded wait that runs out gives the sync up (``HiggsDDP``), the step's decision
+drops the step on every rank (``stability.alignment``), and then every rank of the job calls
+``rebuild_process_groups`` at the same point, with every rank alive (all of them voted):
+
+1. **Drain, bounded.** Every rank voted, so every rank has issued all of the step's
+   collectives. On gloo, whose abort does not cancel a pending collective, a given-up work
+   then completes within moments, and must, before its buffers are written again; on NCCL the
+   aborted communicator fails it at once. A work still pending after the step timeout means
+   the group is lost: ``GroupsLost`` (the job restarts).
+2. **Abort** the old groups (``torch.distributed``'s ``_abort_process_group``: NCCL frees its
+   communicators; every backend drops the group from c10d's registry).
+3. **Create** a group for every distinct rank list of the old groups in the whole job, on every
+   rank, in one order (the lists are exchanged through the job's store). ``dist.new_group``
+   names each group, and so its store prefix, from c10d's group counter: always fresh.
+4. **Swap**: every attribute that held an old group (the model chunks, their buffers and bucket
+   groups, our node groups, the Megatron optimizers, megatron-core's ``parallel_state``) now
+   holds its new group. Megatron's other groups (TP, PP, the default group) are not touched:
+   no wait of ours was on them.
+
+On NCCL, ``prepare_backend`` turns off ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (as torch asks for
+``_abort_process_group``): otherwise NCCL's watchdog tears the process down when a work fails.
+Hangs outside the data-parallel sync are bounded by the watchdog and the vote instead
+(``--higgs-restart-timeout``): the job exits with ``RESTART_EXIT_CODE`` and restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from typing import Any, Iterable
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from ..logs import get_logger
+
+log = get_logger(__name__)
+
+RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: try again (torchrun --max-restarts restarts the job)
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
+
+
+class GroupsLost(RuntimeError):
+    """A given-up collective did not finish even after every rank voted: restart the job."""
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether a collective failed because a peer process is gone (gloo's socket errors)."""
+    text = str(error).lower()
+    return any(marker in text for marker in _PEER_LOST)
+
+
+def prepare_backend(backend: str) -> None:
+    """Before ``init_process_group``: on NCCL, a failed work must raise, not end the process."""
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+
+
+def _drain(works: Iterable[Any], timeout: float) -> None:
+    for work in works:
+        try:
+            work.wait(timeout=timedelta(seconds=timeout))
+        except RuntimeError as error:
+            if "timed out" in str(error).lower():
+                raise GroupsLost(f"a given-up gradient collective was still pending {timeout:g}s after every rank "
+                                 "voted") from error
+            # Failed (an aborted NCCL communicator, or a peer's abort): it writes nothing more.
+
+
+def rebuild_process_groups(chunks: list, optimizers: list, store: dist.Store, attempt: int,
+                           timeout: float) -> float:
+    """Steps 1-4 of the module docstring for the ``HiggsDDP`` chunks ``chunks`` and the Megatron
+    optimizers ``optimizers``; every rank calls it together. ``attempt`` keys the store
+    exchange. Returns the seconds it took."""
+    import megatron.core.parallel_state as parallel_state
+
+    started = time.monotonic()
+    for chunk in chunks:
+        _drain(chunk.take_abandoned_works(), timeout)
+    old = {id(group): group for chunk in chunks for group in chunk.process_groups()}
+    ranks_of = {key: tuple(dist.get_process_group_ranks(group)) for key, group in old.items()}
+    backend = {key: dist.get_backend(group) for key, group in old.items()}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"regroup/{attempt}/"
+    store.set(prefix + str(rank), json.dumps(sorted({(ranks_of[key], backend[key]) for key in old})))
+    keys = [prefix + str(r) for r in range(world)]
+    store.wait(keys, timedelta(seconds=timeout))
+    wanted = sorted({(tuple(ranks), name) for key in keys for ranks, name in json.loads(store.get(key))})
+    for group in old.values():
+        try:
+            distributed_c10d._abort_process_group(group)
+        except ValueError:  # already dropped from the registry
+            pass
+    new = {}
+    for ranks, name in wanted:  # every rank creates every group, in one order
+        group = dist.new_group(list(ranks), backend=name)
+        if rank in ranks:
+            new[(ranks, name)] = group
+    replacement = {key: new[(ranks_of[key], backend[key])] for key in old}
+    holders = [parallel_state] + [holder for chunk in chunks for holder in chunk.group_holders()] + list(optimizers)
+    for holder in holders:
+        for name, value in list(vars(holder).items()):
+            if id(value) in replacement and value is old[id(value)]:
+                setattr(holder, name, replacement[id(value)])
+    return time.monotonic() - started
