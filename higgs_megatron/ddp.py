@@ -64,7 +64,7 @@ from .device import DeviceTimer
 from .reduce.link_probe import measure_link_costs
 from .stability.regroup import peer_lost
 from .reduce.sparse_allreduce import (PendingHierarchical, PendingSparseReduce, launch_hierarchical,
-                                      launch_sparse_allreduce, node_reduce_scatter)
+                                      launch_sparse_allreduce, node_reduce_scatter, reduce_scatter)
 from .sync_plan import NodeShape, choose_form, path_at, plan_bucket
 from .topology import NodeGroups, build_node_groups
 
@@ -324,7 +324,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes
         (None: the reduce-scatter was given up on, and nothing more is launched)."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
-        work, piece = node_reduce_scatter(grad, nodes.intra, self._bounded_wait)
+        work, piece = node_reduce_scatter(grad, nodes.intra, self._bounded_wait,
+                                          bounded=self.higgs.sync_timeout is not None)
         if self.higgs.abandoned:
             return None
         with self.higgs.compress_timer.measure(grad.device):
@@ -353,7 +354,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 self.cached_grad_buffer_shard_list[idx] = shard_buffer(
                     grad, self.intra_distributed_optimizer_instance_size)
             local = self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
-            return dist.reduce_scatter_tensor(local, grad, op=reduce_op, group=group, async_op=async_op)
+            return reduce_scatter(local, grad, group, reduce_op, async_op, bounded=self.higgs.sync_timeout is not None)
         return dist.all_reduce(grad, op=reduce_op, group=group, async_op=async_op)
 
 

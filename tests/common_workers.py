@@ -26,7 +26,7 @@ def parameters(trainer) -> dict[str, torch.Tensor]:
 
 def train_variants(variants: dict[str, list[str]]) -> dict:
     """Train each variant in turn in one set of process groups; return final params, losses,
-    progress alignments and (on the logging rank, with --log-json) events per variant.
+    progress alignments, the last iteration and why the run left early (``--exit-*``), and (on the logging rank, with --log-json) events per variant.
 
     All variants must share the parallel layout (the groups are made once)."""
     import json
@@ -35,7 +35,7 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
     from higgs_megatron.training.loop import Trainer, training_environment
 
     parsed = {name: parse_args(argv) for name, argv in variants.items()}
-    out = {"coords": None, "params": {}, "losses": {}, "valid_losses": {}, "alignments": {}, "events": {}}
+    out = {"coords": None, "params": {}, "losses": {}, "valid_losses": {}, "alignments": {}, "events": {}, "exits": {}}
     with training_environment(next(iter(parsed.values()))):
         out["coords"] = coordinates()
         for name, args in parsed.items():
@@ -45,6 +45,7 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
             out["losses"][name] = result.losses
             out["valid_losses"][name] = result.valid_losses
             out["alignments"][name] = result.alignments
+            out["exits"][name] = (trainer.iteration, result.exit_reason)
             trainer.close()
             if args.log_json and trainer.log.is_writer:
                 with open(args.log_json) as log:

@@ -92,7 +92,7 @@ def _chunk_with_flag(flag: torch.Tensor):
 
     chunk = object.__new__(HiggsDDP)
     grad = torch.zeros(8, device=flag.device)
-    chunk.__dict__.update(_higgs=SimpleNamespace(check_nonfinite=False), higgs_config=HiggsConfig(),
+    chunk.__dict__.update(_higgs=SimpleNamespace(check_nonfinite=False, sync_failed=None), higgs_config=HiggsConfig(),
                           bucket_groups=[SimpleNamespace(higgs_nonfinite=flag,
                                                          buckets=[SimpleNamespace(grad_data=grad)])])
     return chunk
@@ -115,7 +115,7 @@ def test_the_optimizer_wrappers_vote_runs_on_the_gradients_device(monkeypatch):
         # The fake device cannot say what the flag holds: the one read of the decision raises,
         # which is the point: it is the only read, and it comes after the collective.
         with pytest.raises(Exception, match="aten._local_scalar_dense"):
-            optimizer._any_rank_nonfinite()
+            optimizer._decide()
     assert reduced == [CUDA]
 
 

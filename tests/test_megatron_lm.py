@@ -220,3 +220,42 @@ def test_async_saves_while_state_is_offloaded_resume_bitwise(tmp_path):
     full, tail = iterations(straight), iterations(resumed)
     assert [tail[i]["grad norm"] for i in (4, 5, 6)] == [full[i]["grad norm"] for i in (4, 5, 6)]
     assert_same_checkpoint(tmp_path, "iter_0000006")
+
+
+DRILL = ["--use-higgs", "--use-distributed-optimizer", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--save-interval", "1000"]
+BUCKETS = {"dense": ["--higgs-link-gbps", "100"],  # the default --higgs-sync auto, told the link is fast
+           "sparse": ["--higgs-sync", "sparse", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.05"]}
+
+
+@pytest.mark.parametrize("buckets", BUCKETS)
+def test_a_hang_past_the_step_timeout_is_one_alignment_and_changes_nothing(tmp_path, buckets):
+    """hang@1:3:6 under --higgs-step-timeout 2 (DP=2, distributed optimizer): rank 0 gives the
+    sync up, every rank drops the step, rebuilds its data-parallel groups and runs iteration 3
+    again on the same micro-batches; Megatron-LM logs six iterations, none skipped, and the
+    checkpoint at 6 is bitwise the undisturbed run's."""
+    common = [*DRILL, *BUCKETS[buckets], "--higgs-step-timeout", "2"]
+    clean = megatron_lm(2, *common, "--save", str(tmp_path / "a")).stdout
+    hang = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--inject-fault", "hang@1:3:6").stdout
+    alignments = re.findall(r"progress alignment at iteration (\d+): step dropped on every rank \(([^)]*)\)", hang)
+    assert alignments == [("3", "rank 0: gradient sync did not complete within 2s")], hang[-3000:]
+    assert sorted(iterations(hang)) == list(range(1, 7))
+    assert column(hang, "lm loss") == column(clean, "lm loss")
+    assert "number of skipped iterations:   1" not in hang
+    assert_same_checkpoint(tmp_path, "iter_0000006")
+
+
+def test_sigterm_under_megatron_lms_exit_signal_handler_commits_the_rank_map_and_resumes_bitwise(tmp_path):
+    """Megatron-LM's own --exit-signal-handler, with rank 1 sent SIGTERM in iteration 3: every
+    rank exits with status 0 after saving iteration 3 through the rank map; --auto-resume then
+    loads it (rank map and hashes checked) and ends bitwise where the straight run ends."""
+    common = [*DRILL, *BUCKETS["sparse"]]
+    megatron_lm(2, *common, "--save", str(tmp_path / "a"))
+    stopped = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--exit-signal-handler",
+                          "--inject-fault", "sigterm@1:3").stdout
+    assert "exiting program after receiving SIGTERM" in stopped
+    assert sorted(p.parent.name for p in (tmp_path / "b").glob("iter_*/rank_map.json")) == ["iter_0000003"]
+    resumed = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--auto-resume").stdout
+    assert "iter_0000003: rank map and" in resumed and "(same sharding)" in resumed, resumed[-3000:]
+    assert sorted(iterations(resumed)) == [4, 5, 6]
+    assert_same_checkpoint(tmp_path, "iter_0000006")

@@ -36,6 +36,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--optimizer-cpu-offload", action="store_true")
     parser.add_argument("--log-params-norm", action="store_true")
+    parser.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                        dest="check_for_nan_in_loss_and_grad")
     return parser
 
 
@@ -77,7 +79,10 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
                          (["--higgs-compression-ratio", "0.1"], "--higgs-compression-ratio"),
                          (["--no-higgs-error-feedback"], "--no-higgs-error-feedback"),
                          (["--higgs-sync", "sparse"], "--higgs-sync"),
-                         (["--higgs-offload"], "--higgs-offload")):
+                         (["--higgs-offload"], "--higgs-offload"),
+                         (["--higgs-step-timeout", "5"], "--higgs-step-timeout"),
+                         (["--inject-fault", "hang@1:2:3"], "--inject-fault"),
+                         (["--auto-resume", "--save", "/x"], "--auto-resume")):
         with pytest.raises(PatchUsageError, match=f"{named}.*only with --use-higgs"):
             translate_args(parse(*flags))
 
@@ -103,6 +108,12 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--higgs-offload", "--higgs-offload-device", "nvme"], r"needs --higgs-offload-dir"),
     (["--higgs-offload", "--optimizer-cpu-offload"], r"--higgs-offload and --optimizer-cpu-offload"),
     (["--higgs-offload", "--log-params-norm"], r"--log-params-norm with --higgs-offload"),
+    (["--auto-resume"], r"--auto-resume: needs --save"),
+    (["--higgs-step-timeout", "0"], r"--higgs-step-timeout must be positive, got 0.0"),
+    (["--higgs-restart-timeout", "60"], r"--higgs-restart-timeout needs --higgs-step-timeout"),
+    (["--higgs-step-timeout", "10", "--higgs-restart-timeout", "5"], r"--higgs-restart-timeout 5 must be longer"),
+    (["--inject-fault", "hang@1"], r"--inject-fault 'hang@1': expected KIND@RANK:ITER\[:SECONDS\]"),
+    (["--inject-fault", "nan@0:2"], r"--inject-fault nan: .*add --no-check-for-nan-in-loss-and-grad"),
 ])
 def test_bad_flags_are_named_and_args_are_left_untouched(flags, message):
     args = parse("--use-higgs", *flags)
@@ -122,6 +133,14 @@ def test_our_flags_map_onto_megatron_lms():
     assert args.dist_ckpt_optim_fully_reshardable  # so that --recovery-mode reshard can load it later
     assert args.recovery_mode == "same-sharding"
     assert not hasattr(args, "higgs_config")  # Megatron-LM pickles args into checkpoints
+
+
+def test_auto_resume_loads_from_save_and_stability_flags_stay_plain_values():
+    args = parse("--use-higgs", "--save", "/s", "--auto-resume", "--higgs-step-timeout", "5",
+                 "--inject-fault", "nan@0:2", "--no-check-for-nan-in-loss-and-grad")
+    translate_args(args)
+    assert args.load == "/s"
+    assert args.inject_fault == ["nan@0:2"] and not hasattr(args, "faults")  # weights-only loads of args
 
 
 def test_megatron_lms_ckpt_step_is_validated_as_checkpoint_version():

@@ -23,7 +23,7 @@ def test_fault_specs_parse():
 
 @pytest.mark.parametrize("spec,message", [
     ("hang@1", "expected KIND@RANK:ITER[:SECONDS]"),
-    ("stall@1:2:3", "unknown kind 'stall'; expected one of hang, slow, freeze, crash, nan"),
+    ("stall@1:2:3", "unknown kind 'stall'; expected one of hang, slow, freeze, sigterm, crash, nan"),
     ("freeze@1:2:3", "freeze takes no SECONDS"),
     ("hang@1:2", "hang needs SECONDS > 0"),
     ("crash@0:2:5", "crash takes no SECONDS"),
@@ -41,6 +41,9 @@ def test_bad_fault_specs_are_named(spec, message):
     (["--use-higgs", "--higgs-step-timeout", "0"], "--higgs-step-timeout must be positive, got 0.0"),
     (["--inject-fault", "hang@9:1:1"], "rank 9 does not exist in a world of 2"),
     (["--auto-resume"], "--auto-resume needs --save DIR"),
+    (["--exit-interval", "0"], "--exit-interval must be 1 or more, got 0"),
+    (["--exit-duration-in-mins", "-1"], "--exit-duration-in-mins must be positive, got -1.0"),
+    (["--exit-signal", "SIGUSR1"], "--exit-signal SIGUSR1: only with --exit-signal-handler"),
 ])
 def test_bad_stability_flags_are_named(argv, message):
     with pytest.raises(UsageError) as info:
@@ -83,7 +86,8 @@ def _dense_auto(tiny_gpt_args, tmp_path, name, iters=6):
 
 def test_slow_within_the_timeout_hang_past_it_and_nan(tmp_path, tiny_gpt_args):
     """slow (1 s under a 4 s timeout): at most a warning, no alignment, bitwise the clean run.
-    hang (6 s past a 2 s timeout), on compressed buckets and on dense ones (auto, one host): one
+    hang (6 s past a 2 s timeout), on compressed buckets and on dense ones (auto, one host; the
+    distributed optimizer's reduce-scatter): one
     alignment, all iterations run, replicas identical, and (no dropout) the redone step equals
     the clean run's. nan: the step is skipped everywhere. nan and hang in one step: one dropped
     step, one rollback, and the iteration runs again."""
@@ -97,8 +101,10 @@ def test_slow_within_the_timeout_hang_past_it_and_nan(tmp_path, tiny_gpt_args):
                                                                   "--inject-fault", "hang@1:3:6",
                                                                   "--inject-fault", "nan@0:3"],
         "nan": _base(tiny_gpt_args, tmp_path, "nan") + ["--inject-fault", "nan@0:4"],
-        "clean_dense": _dense_auto(tiny_gpt_args, tmp_path, "clean_dense") + ["--higgs-step-timeout", "4"],
+        "clean_dense": _dense_auto(tiny_gpt_args, tmp_path, "clean_dense") + ["--higgs-step-timeout", "4",
+                                                                              "--use-distributed-optimizer"],
         "hang_dense": _dense_auto(tiny_gpt_args, tmp_path, "hang_dense") + ["--higgs-step-timeout", "2",
+                                                                            "--use-distributed-optimizer",
                                                                             "--inject-fault", "hang@1:3:6"],
     }
     outs = run_ranks(train_variants, 2, args=(variants,), timeout=500)
@@ -182,6 +188,48 @@ def test_a_rank_that_never_returns_ends_in_a_restart_and_the_job_finishes(tmp_pa
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert [e["iteration"] for e in loaded] == [4], loaded
     assert max(e["iteration"] for e in events if e["event"] == "replicas_identical") == 8
+
+
+def test_sigterm_with_the_exit_signal_handler_saves_exits_zero_and_resumes_bitwise(tmp_path, tiny_gpt_args):
+    """sigterm@1:3 with --exit-signal-handler under torchrun: every rank learns of rank 1's signal
+    at the end of iteration 3, a checkpoint of iteration 3 is committed, and every rank exits
+    with status 0 (torchrun's own status is 0 only then). Resumed to iteration 6, the run ends
+    bitwise where an uninterrupted run ends (compressed buckets: the residuals come along)."""
+    save, log = tmp_path / "ckpt", tmp_path / "sigterm.jsonl"
+    base = _base(tiny_gpt_args, tmp_path, "sigterm")
+    argv = base + ["--save", str(save), "--save-interval", "100", "--exit-signal-handler",
+                   "--inject-fault", "sigterm@1:3"]
+    argv[argv.index("--log-json") + 1] = str(log)
+    proc = run_pretrain_script(argv, nproc=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = [r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "event"]
+    exits = [e for e in events if e["event"] == "exit_requested"]
+    assert [(e["iteration"], e["reason"]) for e in exits] == [(3, "SIGTERM received")], exits
+    assert [e["iteration"] for e in events if e["event"] == "checkpoint_committed"] == [3]
+    assert (save / "latest").read_text().strip().endswith("3")
+    resumed = run_ranks(run_trainer, 2, args=(base + ["--load", str(save)],))
+    clean = run_ranks(run_trainer, 2, args=(base,))
+    for a, b in zip(resumed, clean):
+        assert a["start"] == 3 and b["start"] == 0
+        assert a["final"].keys() == b["final"].keys()
+        for key in a["final"]:
+            for (_, _, piece_a), (_, _, piece_b) in zip(a["final"][key], b["final"][key]):
+                assert torch.equal(piece_a, piece_b), key
+
+
+def test_exit_interval_and_duration_end_the_run_with_a_checkpoint(tmp_path, tiny_gpt_args):
+    """--exit-interval 2 leaves after iteration 2 with a checkpoint of it; --exit-duration-in-mins
+    leaves at the first iteration boundary past the budget (here, the first), saving."""
+    base = _base(tiny_gpt_args, tmp_path, "exits")
+    outs = run_ranks(train_variants, 2, args=({
+        "interval": base + ["--exit-interval", "2", "--save", str(tmp_path / "interval")],
+        "duration": base + ["--exit-duration-in-mins", "1e-9", "--save", str(tmp_path / "duration")],
+    },))
+    for out in outs:
+        assert out["exits"]["interval"] == (2, "iteration 2 (--exit-interval 2)")
+        assert out["exits"]["duration"][0] == 1 and "--exit-duration-in-mins" in out["exits"]["duration"][1]
+    for name, iteration in (("interval", 2), ("duration", 1)):
+        assert (tmp_path / name / "latest").read_text().strip().endswith(str(iteration))
 
 
 def test_a_lost_peer_is_told_from_other_failures():

@@ -13,7 +13,7 @@ from .validation import RECOVERY_MODES
 
 def add_rank_map_args(group: argparse._ArgumentGroup, async_help: str) -> None:
     """``--recovery-mode``, ``--checkpoint-version``, ``--async-checkpoint`` (``async_help``
-    says what the front-end's background save is) and ``--checkpoint-interval``."""
+    says what the front-end's background save is), ``--checkpoint-interval`` and ``--auto-resume``."""
     group.add_argument("--recovery-mode", choices=RECOVERY_MODES, default="same-sharding",
                        help="on --load: same-sharding refuses a checkpoint saved with another layout, naming each "
                             "difference; reshard loads it into this layout")
@@ -23,3 +23,6 @@ def add_rank_map_args(group: argparse._ArgumentGroup, async_help: str) -> None:
     group.add_argument("--checkpoint-interval", type=float, default=None, metavar="SECONDS",
                        help="also save when this much wall-clock time has passed since the last save "
                             "(decided together by all ranks)")
+    group.add_argument("--auto-resume", action="store_true",
+                       help="resume from the latest committed checkpoint in --save if there is one (--load defaults "
+                            "to --save): what a job restarted by torchrun --max-restarts needs")

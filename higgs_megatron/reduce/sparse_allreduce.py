@@ -17,8 +17,8 @@ Protocol, per bucket and step (all peers of ``group`` take part, in the same ord
 The hierarchical reduction (dense inside a node, compressed across nodes) builds on it. Per
 bucket and step, every DP rank makes the same calls with the same sizes:
 
-1. ``node_reduce_scatter``: reduce-scatter the bucket inside the node (dense and synchronous:
-   the node's links are the fast ones). This rank then holds its node's sum of one 1/L slice
+1. ``node_reduce_scatter``: reduce-scatter the bucket inside the node (dense, and waited for
+   at once: the node's links are the fast ones). This rank then holds its node's sum of one 1/L slice
    of the bucket (L ranks per node; the bucket is zero-padded to a multiple of L).
 2. The caller applies error feedback and selects on that slice, k scaled to the slice: the
    compressed payload a node sends is the size of one rank's flat payload, not L of them.
@@ -109,16 +109,31 @@ def slice_range(numel: int, ranks_per_node: int, local_index: int) -> tuple[int,
     return local_index * size, (local_index + 1) * size
 
 
+def reduce_scatter(shard: torch.Tensor, buffer: torch.Tensor, group: dist.ProcessGroup,
+                   op=dist.ReduceOp.SUM, async_op: bool = True, bounded: bool = False):
+    """``shard``, this rank's slice of ``buffer`` (a view into it), gets that slice reduced over
+    ``group``; returns the work (None when not ``async_op``). ``bounded``: the caller waits
+    with a timeout. Gloo's reduce-scatter work ignores a wait's timeout (it waits for the
+    slowest peer however long), so there an in-place all-reduce of the whole buffer does it:
+    its wait is bounded, the slice gets the same sum, and the rest of ``buffer`` is reduced
+    too, which nobody reads (a distributed optimizer reads its own shard; the hierarchical
+    path overwrites the other slices)."""
+    if bounded and dist.get_backend(group) == "gloo":
+        return dist.all_reduce(buffer, op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(shard, buffer, op=op, group=group, async_op=async_op)
+
+
 def node_reduce_scatter(grad: torch.Tensor, intra: dist.ProcessGroup,
-                        waiter=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        waiter=None, bounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(the padded work buffer, this rank's slice of it holding the node's sum); ``waiter(work)``
-    replaces ``work.wait()``, as in ``PendingSparseReduce.wait``."""
+    replaces ``work.wait()``, as in ``PendingSparseReduce.wait``; ``bounded`` as in
+    ``reduce_scatter``."""
     ranks = dist.get_world_size(intra)
     size = -(-grad.numel() // ranks)
     work = grad if size * ranks == grad.numel() else torch.cat(
         [grad, torch.zeros(size * ranks - grad.numel(), dtype=grad.dtype, device=grad.device)])
     piece = work.view(ranks, size).select(0, dist.get_rank(intra))
-    (waiter or _plain_wait)(dist.reduce_scatter_tensor(piece, work, group=intra, async_op=True))
+    (waiter or _plain_wait)(reduce_scatter(piece, work, intra, bounded=bounded))
     return work, piece
 
 

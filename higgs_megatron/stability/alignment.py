@@ -95,11 +95,8 @@ class StepDecision:
         ``device`` (the default group's), read once."""
         if self.vote is not None:
             return self.vote.decide(bool(nonfinite) if nonfinite is not None else False, sync_failure)
-        flags = torch.zeros(2, device=device)
-        if nonfinite is not None:
-            flags[0] = nonfinite.float()
-        if sync_failure:
-            flags[1] = 1.0
+        failed = torch.full((), 1.0 if sync_failure else 0.0, device=device)
+        flags = torch.stack([nonfinite.float() if nonfinite is not None else torch.zeros_like(failed), failed])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite_anywhere, failed_anywhere = flags.tolist()
         reasons = ([f"some rank: {NONFINITE}"] if nonfinite_anywhere else []) + \

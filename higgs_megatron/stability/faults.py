@@ -7,6 +7,9 @@
 * ``freeze@R:I``  rank R stops itself (SIGSTOP) at the start of iteration I and never returns:
   a rank stuck for good. The others give its sync up, cannot complete the step's vote, and
   exit for a restart after ``--higgs-restart-timeout``; the launcher kills the frozen rank.
+* ``sigterm@R:I`` rank R is sent SIGTERM at the start of iteration I, as a scheduler preempting
+  a job does: with ``--exit-signal-handler`` every rank saves and exits with status 0 after
+  iteration I; without it the rank dies (the others see a lost peer and exit for a restart).
 * ``crash@R:I``   rank R dies at the start of iteration I (``os._exit(CRASH_EXIT_CODE)``).
 * ``nan@R:I``     rank R's loss, and so its gradients, are NaN in iteration I: the step is
   skipped on every rank.
@@ -27,7 +30,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-KINDS = ("hang", "slow", "freeze", "crash", "nan")
+KINDS = ("hang", "slow", "freeze", "sigterm", "crash", "nan")
 RESTARTING = ("freeze", "crash")  # faults that end the job's attempt
 CRASH_EXIT_CODE = 43  # distinct from Python's 1 and argparse's 2: "an injected crash"
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<rank>\d+):(?P<iteration>\d+)(?::(?P<seconds>[0-9.]+))?$")
@@ -71,7 +74,7 @@ def parse_fault(spec: str, world_size: int | None = None) -> Fault:
         raise FaultSpecError(f"--inject-fault {spec!r}: iterations count from 1")
     if kind in ("hang", "slow") and seconds <= 0:
         raise FaultSpecError(f"--inject-fault {spec!r}: {kind} needs SECONDS > 0 (e.g. {kind}@{rank}:{iteration}:10)")
-    if kind in ("freeze", "crash", "nan") and match["seconds"]:
+    if kind in ("freeze", "sigterm", "crash", "nan") and match["seconds"]:
         raise FaultSpecError(f"--inject-fault {spec!r}: {kind} takes no SECONDS")
     if world_size is not None and rank >= world_size:
         raise FaultSpecError(f"--inject-fault {spec!r}: rank {rank} does not exist in a world of {world_size}")
@@ -99,8 +102,8 @@ class FaultInjector:
             on_fire(fault)
         if fault.kind == "crash":
             exit_at_once(CRASH_EXIT_CODE)
-        if fault.kind == "freeze":
-            os.kill(os.getpid(), signal.SIGSTOP)
+        if fault.kind in ("freeze", "sigterm"):
+            os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "freeze" else signal.SIGTERM)
             return None
         if fault.kind in ("hang", "slow"):
             time.sleep(fault.seconds)

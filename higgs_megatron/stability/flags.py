@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .faults import FaultSpecError, parse_fault
+from .faults import Fault, FaultSpecError, parse_fault
 
 DEFAULT_RESTART_TIMEOUT = 300.0
 
@@ -25,26 +25,34 @@ def add_stability_args(group: argparse._ArgumentGroup) -> None:
                             "vote, or stuck anywhere as the watchdog sees it) exits with status 75, so that "
                             f"torchrun --max-restarts restarts the job (default {DEFAULT_RESTART_TIMEOUT:g})")
     group.add_argument("--inject-fault", action="append", default=[], metavar="KIND@RANK:ITER[:SECONDS]",
-                       help="inject a fault (hang, slow, freeze, crash, nan) on a rank at an iteration; repeatable")
+                       help="inject a fault (hang, slow, freeze, sigterm, crash, nan) on a rank at an iteration; repeatable")
 
 
-def check_stability(args: argparse.Namespace, world_size: int, use_higgs: bool) -> None:
-    """Fills ``args.faults`` and the restart timeout's default; raises ValueError naming the flag."""
+def check_stability(args: argparse.Namespace, world_size: int | None, use_higgs: bool) -> list[Fault]:
+    """The parsed ``--inject-fault`` specs (``world_size`` None: ranks unchecked); raises
+    ValueError naming the flag, and changes nothing. (The faults are not put on ``args``:
+    Megatron-LM pickles its args into checkpoints, which are read back weights-only.)"""
     if args.higgs_step_timeout is not None and not use_higgs:
         raise ValueError("--higgs-step-timeout needs --use-higgs (it bounds the compressed sync's waits)")
     for flag in ("higgs_step_timeout", "higgs_restart_timeout"):
         value = getattr(args, flag)
-        if value is not None and value <= 0:
+        if value is not None and not value > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     if args.higgs_restart_timeout is not None and args.higgs_step_timeout is None:
         raise ValueError("--higgs-restart-timeout needs --higgs-step-timeout")
-    if args.higgs_step_timeout is not None:
-        if args.higgs_restart_timeout is None:
-            args.higgs_restart_timeout = max(DEFAULT_RESTART_TIMEOUT, 2 * args.higgs_step_timeout)
-        if args.higgs_restart_timeout <= args.higgs_step_timeout:
-            raise ValueError(f"--higgs-restart-timeout {args.higgs_restart_timeout:g} must be longer than "
-                             f"--higgs-step-timeout {args.higgs_step_timeout:g}")
+    if args.higgs_restart_timeout is not None and args.higgs_restart_timeout <= args.higgs_step_timeout:
+        raise ValueError(f"--higgs-restart-timeout {args.higgs_restart_timeout:g} must be longer than "
+                         f"--higgs-step-timeout {args.higgs_step_timeout:g}")
     try:
-        args.faults = [parse_fault(spec, world_size) for spec in args.inject_fault]
+        return [parse_fault(spec, world_size) for spec in args.inject_fault]
     except FaultSpecError as error:
         raise ValueError(str(error)) from None
+
+
+def restart_timeout(args: argparse.Namespace) -> float | None:
+    """``--higgs-restart-timeout``, or its default: the longer of 300 s and two step timeouts."""
+    if args.higgs_step_timeout is None:
+        return None
+    if args.higgs_restart_timeout is not None:
+        return args.higgs_restart_timeout
+    return max(DEFAULT_RESTART_TIMEOUT, 2 * args.higgs_step_timeout)

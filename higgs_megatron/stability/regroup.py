@@ -22,7 +22,8 @@ drops the step on every rank (``stability.alignment``), and then every rank of t
    no wait of ours was on them.
 
 On NCCL, ``prepare_backend`` turns off ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (as torch asks for
-``_abort_process_group``): otherwise NCCL's watchdog tears the process down when a work fails.
+``_abort_process_group``) and NCCL's heartbeat monitor: otherwise NCCL's watchdog or monitor
+tears the process down once a work has failed.
 Hangs outside the data-parallel sync are bounded by the watchdog and the vote instead
 (``--higgs-restart-timeout``): the job exits with ``RESTART_EXIT_CODE`` and restarts.
 """
@@ -57,9 +58,18 @@ def peer_lost(error: BaseException) -> bool:
 
 
 def prepare_backend(backend: str) -> None:
-    """Before ``init_process_group``: on NCCL, a failed work must raise, not end the process."""
+    """Before the first NCCL group: a timed-out or failed work must raise, not end the process.
+
+    Read in torch 2.13's ``ProcessGroupNCCL`` (not yet run on a GPU): ``WorkNCCL::wait(timeout)``
+    busy-waits, and past the timeout (counted from the collective's launch) aborts that
+    communicator and raises ``DistBackendError``, whatever the settings. Two threads could still
+    end the process: the watchdog rethrows a failed work's error (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+    1 and 3, 3 the default; 0 only logs), and the heartbeat monitor, woken by any group's timeout
+    dump, terminates the process after ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` unless
+    ``TORCH_NCCL_ENABLE_MONITORING`` is 0. A user's own setting of either is kept."""
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
 
 
 def _drain(works: Iterable[Any], timeout: float) -> None:

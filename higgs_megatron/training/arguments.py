@@ -20,6 +20,7 @@ from ..logs import setup_logging
 from ..config import add_higgs_args, compression_flags_given, higgs_config_from_args
 from ..memory import OffloadError
 from ..memory.flags import add_offload_args, offload_config_from_args
+from ..stability.exit_conditions import add_exit_args, check_exit_args
 from ..stability.flags import add_stability_args, check_stability
 from .length_buckets import parse_buckets
 
@@ -134,11 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_rank_map_args(g, async_help="the loop pays only for planning the save; the host copy (done before the next "
                                     "optimizer step), writing, hashing and commit run in the background")
     g.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep only the newest N checkpoints")
-    g.add_argument("--auto-resume", action="store_true",
-                   help="resume from the latest committed checkpoint in --save if there is one (--load defaults "
-                        "to --save): what a job restarted by torchrun --max-restarts needs")
 
-    add_stability_args(parser.add_argument_group("stability"))
+    g = parser.add_argument_group("stability")
+    add_stability_args(g)
+    add_exit_args(g)
     add_higgs_args(parser)
     add_offload_args(parser)
     return parser
@@ -202,7 +202,8 @@ def _check_optimizer(args: argparse.Namespace, world_size: int) -> None:
 
 def _check_stability(args: argparse.Namespace, world_size: int) -> None:
     try:
-        check_stability(args, world_size, args.use_higgs)
+        args.faults = check_stability(args, world_size, args.use_higgs)
+        check_exit_args(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
 

@@ -45,6 +45,8 @@ from ..logs import get_logger, setup_logging
 from ..memory import MemoryManager, make_probe
 from ..memory.flags import apply_block_allocator
 from ..optimizer import wrap_optimizer
+from ..stability.exit_conditions import ExitConditions
+from ..stability.flags import restart_timeout
 from ..stability.regroup import RESTART_EXIT_CODE, peer_lost, prepare_backend
 from .arguments import UsageError, parse_args, report_usage_error
 from .corpus import DataPathError, build_corpus, find_text_files
@@ -68,6 +70,7 @@ class TrainResult:
     step_times: dict[int, float] = field(default_factory=dict)
     tokens_per_second: dict[int, float] = field(default_factory=dict)
     alignments: int = 0
+    exit_reason: str | None = None  # why the run left before --train-iters (--exit-*)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -102,6 +105,7 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.exits = ExitConditions(args)  # the run's clock starts here; the signal is caught from now on
 
         started = time.monotonic()
         corpus = build_corpus(args.data_path, args.data_cache_path,
@@ -164,7 +168,8 @@ class Trainer:
             higgs=args.higgs_config.to_dict() if args.use_higgs else None,
         )
         self._log_sync_plan()
-        self.resilience = Resilience(args, self.log, self.model, self.optimizer)
+        self.resilience = Resilience(args.higgs_step_timeout, restart_timeout(args), args.faults, self.log,
+                                     self.model, self.optimizer)
         self.resilience.watch_grad_sync(get_model_config(self.model[0]), lambda: self.iteration + 1)
         self.iteration = 0
         self.consumed_samples = 0
@@ -414,6 +419,12 @@ class Trainer:
                 paused = time.perf_counter()
                 self.save()
                 window.excluded += time.perf_counter() - paused
+            result.exit_reason = self.exits.due(self.iteration)
+            if result.exit_reason is not None:
+                self.log.event("exit_requested", f" exiting after iteration {self.iteration}: {result.exit_reason}"
+                               + ("; saving a checkpoint first" if args.save and self._saved_at != self.iteration
+                                  else ""), iteration=self.iteration, reason=result.exit_reason)
+                break
         if args.save and self._saved_at != self.iteration:
             self.save()
         self.finish_saves()
@@ -463,6 +474,7 @@ class Trainer:
         return manager
 
     def close(self) -> None:
+        self.exits.close()
         if self.memory is not None:
             self.memory.close()
         self.resilience.close(self.iteration)

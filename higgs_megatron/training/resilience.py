@@ -22,7 +22,6 @@ Without ``--higgs-step-timeout`` and ``--inject-fault`` none of this touches the
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -46,13 +45,16 @@ log = get_logger(__name__)
 class Resilience:
     _instances = 0
 
-    def __init__(self, args: argparse.Namespace, log: MetricsLogger, model: list, optimizer) -> None:
+    def __init__(self, step_timeout: float | None, restart_timeout: float | None, faults: list[Fault],
+                 log: MetricsLogger, model: list, optimizer) -> None:
+        """``step_timeout``, ``restart_timeout``: ``--higgs-step-timeout`` and
+        ``--higgs-restart-timeout`` (``stability.flags``); ``faults``: the parsed ``--inject-fault``."""
         self.log = log
         self.model = model
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.timeout = args.higgs_step_timeout
-        self.restart_timeout = args.higgs_restart_timeout
-        self.injector = FaultInjector(args.faults, self.rank)
+        self.timeout = step_timeout
+        self.restart_timeout = restart_timeout
+        self.injector = FaultInjector(faults, self.rank)
         self.alignments = AlignmentLog()
         self.board = self.watchdog = None
         self.attempt_started = 0.0
@@ -84,6 +86,7 @@ class Resilience:
             self.phase(iteration(), "grad-sync")
             return inner(*args, **kwargs)
 
+        finalize.higgs_watched = True
         config.finalize_model_grads_func = finalize
 
     def _stalled(self, message: str, stalled: list[dict]) -> None:

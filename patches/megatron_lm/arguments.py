@@ -4,7 +4,8 @@
 when it is installed): ``chain_args_providers`` runs it first and adds ours after it, never
 replacing it. Our flags are those of this project's own pretrain script (``--use-higgs``,
 ``--higgs-*``, ``--recovery-mode``, ``--checkpoint-version``, ``--async-checkpoint``,
-``--checkpoint-interval``, and the memory manager's ``--higgs-offload*``,
+``--checkpoint-interval``, ``--auto-resume``, the stability flags ``--higgs-step-timeout``,
+``--higgs-restart-timeout`` and ``--inject-fault``, and the memory manager's ``--higgs-offload*``,
 ``--higgs-block-allocator``); a flag Megatron-LM already defines with the same meaning
 (``--check-weight-hash-across-dp-replicas-interval``) is left to Megatron-LM.
 
@@ -30,6 +31,7 @@ from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from
 from higgs_megatron.given_flags import flags_given
 from higgs_megatron.memory import OffloadError
 from higgs_megatron.memory.flags import add_offload_args, offload_config_from_args
+from higgs_megatron.stability.flags import add_stability_args, check_stability
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -49,6 +51,7 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_higgs_args(parser, weight_hash_check=not _has_flag(parser, "--check-weight-hash-across-dp-replicas-interval"))
     g = parser.add_argument_group("higgs: checkpoints with a rank map (with --use-higgs)")
     add_rank_map_args(g, async_help="write checkpoints in the background (Megatron-LM's --async-save)")
+    add_stability_args(parser.add_argument_group("higgs: stability (with --use-higgs)"))
     add_offload_args(parser)
     return parser
 
@@ -122,6 +125,15 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
             raise PatchUsageError("--checkpoint-interval: needs --save DIR")
     if args.async_checkpoint and not args.save:
         raise PatchUsageError("--async-checkpoint: needs --save DIR")
+    if args.auto_resume and not args.save:
+        raise PatchUsageError("--auto-resume: needs --save DIR (the checkpoints to resume from)")
+    try:
+        faults = check_stability(args, getattr(args, "world_size", None), use_higgs=True)
+    except ValueError as error:
+        raise PatchUsageError(str(error)) from None
+    if any(fault.kind == "nan" for fault in faults) and getattr(args, "check_for_nan_in_loss_and_grad", False):
+        raise PatchUsageError("--inject-fault nan: Megatron-LM's own check stops the run at a NaN before --use-higgs "
+                              "can skip the step; add --no-check-for-nan-in-loss-and-grad")
     try:
         offload = offload_config_from_args(args)
     except OffloadError as error:
@@ -138,6 +150,8 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
         args.checkpoint_version = args.ckpt_step  # Megatron-LM's name for the same choice: validated as ours
     if args.checkpoint_version is not None:
         args.ckpt_step = args.checkpoint_version
+    if args.auto_resume and not args.load:
+        args.load = args.save  # the job's first attempt finds nothing there and starts from scratch
     if args.async_checkpoint:
         args.async_save = True
         args.use_persistent_ckpt_worker = True

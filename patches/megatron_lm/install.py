@@ -17,7 +17,9 @@ Two stages:
    * ``DDP`` becomes HiggsDDP bound to the run's ``HiggsConfig`` (a subclass, so Megatron-LM's
      ``isinstance(model_chunk, DDP)`` checks keep holding);
    * ``get_megatron_optimizer`` returns the optimizer wrapped by ``wrap_optimizer``;
-   * ``train_step`` adds, per iteration, the bytes HiggsDDP handed to collectives, the dense
+   * ``train_step`` runs under the stability layer (``stability.StepRunner``: injected faults,
+     progress phases for the watchdog, the step's bounded decision, progress alignments that
+     run the iteration again on the same data) and adds, per iteration, the bytes HiggsDDP handed to collectives, the dense
      equivalent, the density in force and the compression time to the loss dict Megatron-LM
      logs (so they appear in its iteration line, TensorBoard and W&B as "higgs ..." values,
      per rank per step);
@@ -53,10 +55,12 @@ from higgs_megatron.device import collective_device
 from higgs_megatron.logs import get_logger, log_single_rank, setup_logging
 from higgs_megatron.memory import MemoryManager, make_probe
 from higgs_megatron.memory.flags import apply_block_allocator, offload_config_from_args
+from higgs_megatron.stability.regroup import prepare_backend
 
 from .cpu import cpu_flag_problems
 from .arguments import PatchUsageError, chain_args_providers, translate_args
 from .rank_map import RankMapHooks
+from .stability import StepRunner, build_resilience
 
 EXIT_USAGE = 2
 _originals: dict[tuple[Any, str], Any] = {}
@@ -128,6 +132,8 @@ def activate(args: Any, config: HiggsConfig) -> None:
     """Stage 2 (see the module docstring)."""
     hooks = RankMapHooks(args, config)
     apply_block_allocator(args.higgs_block_allocator)  # before process groups: no CUDA allocation yet
+    if args.higgs_step_timeout is not None:
+        prepare_backend(args.distributed_backend)  # before process groups: NCCL's error handling
     _rebind(training, "DDP", higgs_ddp_class(config))
     _rebind(training, "get_megatron_optimizer", _get_megatron_optimizer)
     _rebind(training, "train_step", _train_step)
@@ -147,14 +153,17 @@ def activate(args: Any, config: HiggsConfig) -> None:
 
 
 _memory: MemoryManager | None = None
+_steps: StepRunner | None = None  # built with the optimizer
 
 
 def _get_megatron_optimizer(config: Any, model_chunks: list, *args: Any, **kwargs: Any) -> Any:
     """The wrapped optimizer; with ``--higgs-offload``, the memory manager attached to it."""
     global _memory
+    global _steps
     optimizer = wrap_optimizer(original(training, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs),
                                model_chunks)
     margs = megatron_training.get_args()
+    _steps = build_resilience(margs, model_chunks, optimizer)
     offload = offload_config_from_args(margs)  # validated in translate_args
     if offload is not None:
         _memory = MemoryManager(optimizer, model_chunks, offload, make_probe(margs.higgs_offload_schedule),
@@ -176,6 +185,8 @@ def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
     save's host copy included: megatron-core's callers finish ``preload_fn`` before
     ``schedule_async_request`` returns, the persistent worker through its joined preload
     queue), so offloaded state leaves again now, not at the end of the next step."""
+    if _steps is not None:
+        _steps.checkpoint_phase()  # the watchdog lets a long write be
     result = save(*args, **kwargs)
     if _memory is not None:
         _memory.settle()
@@ -183,7 +194,11 @@ def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *args: Any, **kwargs: Any) -> tuple:
-    result = original(training, "train_step")(forward_step_func, data_iterator, model, *args, **kwargs)
+    train_step = original(training, "train_step")
+    if _steps is not None:
+        result = _steps(train_step, forward_step_func, data_iterator, model, *args, **kwargs)
+    else:
+        result = train_step(forward_step_func, data_iterator, model, *args, **kwargs)
     stats = sync_traffic(model)
     # One small host-to-device copy and one all-reduce per step, every rank: the mean over the
     # ranks (each pipeline stage counts its own chunks) of what Megatron-LM logs.
