@@ -46,9 +46,10 @@ instances are refused at construction.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -138,9 +139,11 @@ class _GroupHandle:
     gloo the host waits for the collective. With ``sync_timeout``, ``work.wait(timeout)``
     makes the host wait on either backend, at most that long. A wait that runs out, or a
     collective that fails, gives the step's sync up: the work is not drained (a rank that
-    never returns would hang this one for ever), nothing more of this step's sync is waited
-    for or launched, and the step's decision drops it on every rank, which then rebuild the
-    data-parallel groups (``stability.regroup``)."""
+    never returns would hang this one for ever), and nothing more of this step's sync is
+    waited for, but every later collective of the step is still launched, so that every rank
+    issues the same collectives and each given-up one completes (gloo) or fails (NCCL's
+    aborted communicator) by the time every rank has voted. The step's decision drops the step
+    on every rank, which then rebuild the data-parallel groups (``stability.regroup``)."""
 
     def __init__(self, dense_works: list[Any], sparse: list[PendingSparseReduce], average_over: int,
                  on_done, shared: _Shared) -> None:
@@ -176,10 +179,12 @@ class _GroupHandle:
         for pending in self.sparse:
             pending.wait(self._wait)
             if self.shared.abandoned:
-                continue
-            pending.finish(self._wait)
-            if self.average_over > 1:
-                pending.target.div_(self.average_over)
+                with contextlib.suppress(RuntimeError):  # an aborted NCCL communicator refuses them
+                    pending.give_up(self._wait)  # nothing read; its collectives still go out (see above)
+            else:
+                pending.finish(self._wait)
+                if self.average_over > 1:
+                    pending.target.div_(self.average_over)
         self.dense_works, self.sparse = [], []
         self.on_done()
 
@@ -252,12 +257,6 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         # Bounded waits need a handle: every collective is launched asynchronously then.
         async_op = overlap or shared.sync_timeout is not None
         average = self.ddp_config.average_in_collective
-        if shared.abandoned:  # an earlier group's sync of this step was given up: nothing more goes out
-            self.higgs_steps += 1  # as for a launched sync; the step's rollback undoes it
-            self.higgs_nonfinite = None
-            handle = _GroupHandle([], [], 1, on_done=self._on_sync_done, shared=shared)
-            self.grad_reduce_handle = handle if overlap else None
-            return
         reduce_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         density = shared.config.density(self.higgs_steps)
         dense = force_all_reduce or shared.config.dense_stage(self.higgs_steps)
@@ -277,12 +276,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if path == "hierarchical":
                 if sums is not None:
                     sums.append(grad.sum(dtype=torch.float32))
-                pending = self._launch_hierarchical(idx, grad, density, stats, async_op)
-                if pending is None:  # the node's reduce-scatter was given up on
-                    break
-                sparse.append(pending)
-                if sums is not None:  # this rank's slice: the node's sum plus the residual
-                    sums.append(pending.piece.sum(dtype=torch.float32))
+                pending = self._launch(lambda: self._launch_hierarchical(idx, grad, density, stats, async_op))
+                if pending is not None:
+                    sparse.append(pending)
+                    if sums is not None:  # this rank's slice: the node's sum plus the residual
+                        sums.append(pending.piece.sum(dtype=torch.float32))
                 continue
             if path == "dense":
                 if residual is not None:  # a hierarchical form's residual covers this rank's slice
@@ -294,7 +292,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 stats.dense_buckets += 1
                 if sums is not None:
                     sums.append(grad.sum(dtype=torch.float32))
-                dense_works.append(self._launch_dense(idx, grad, reduce_op, group, async_op, force_all_reduce))
+                dense_works.append(self._launch(lambda: self._launch_dense(idx, grad, reduce_op, group, async_op,
+                                                                          force_all_reduce)))
                 continue
             plan = self.higgs_plans[idx]
             with shared.compress_timer.measure(grad.device):
@@ -304,9 +303,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             stats.sparse_buckets += 1
             if sums is not None:
                 sums.append(grad.sum(dtype=torch.float32))
-            sparse.append(launch_sparse_allreduce(sparse_grad.always_positions, sparse_grad.always,
-                                                  sparse_grad.positions, sparse_grad.values, grad, group,
-                                                  async_op=async_op))
+            pending = self._launch(lambda: launch_sparse_allreduce(
+                sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions, sparse_grad.values, grad,
+                group, async_op=async_op))
+            if pending is not None:
+                sparse.append(pending)
         if sums is not None:
             self.higgs_nonfinite = torch.isfinite(torch.stack(sums)).all().logical_not()
         self.higgs_steps += 1
@@ -322,12 +323,10 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, stats: SyncStats,
                              async_op: bool) -> PendingHierarchical | None:
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes
-        (None: the reduce-scatter was given up on, and nothing more is launched)."""
+        (after a given-up reduce-scatter too: see ``_GroupHandle``)."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
         work, piece = node_reduce_scatter(grad, nodes.intra, self._bounded_wait,
                                           bounded=self.higgs.sync_timeout is not None)
-        if self.higgs.abandoned:
-            return None
         with self.higgs.compress_timer.measure(grad.device):
             sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
                                                  key=(self.higgs_index, idx))
@@ -337,6 +336,16 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         stats.sparse_buckets += 1
         return launch_hierarchical(sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions,
                                    sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op)
+
+    def _launch(self, launch: Callable[[], Any]) -> Any:
+        """``launch()``; once this step's sync has been given up, a launch that fails (NCCL
+        refuses collectives on a communicator its timed-out wait aborted) is skipped: None."""
+        if not self.higgs.abandoned:
+            return launch()
+        try:
+            return launch()
+        except RuntimeError:
+            return None
 
     def _bounded_wait(self, work) -> None:
         _GroupHandle([], [], 1, on_done=None, shared=self.higgs)._wait(work)

@@ -202,7 +202,7 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
             resident_after_saves = []
             if trainer.memory is not None:  # the optimizer state still on the device once each save returns
                 save = trainer.save
-                trainer.save = lambda: (save(), resident_after_saves.append(trainer.memory.resident_bytes()))
+                trainer.save = lambda **kw: (save(**kw), resident_after_saves.append(trainer.memory.resident_bytes()))
             state_after_load = tensor_pieces(sharded_training_state(trainer.training_state())) if args.load else None
             result = trainer.train()
             out = {"start": start, "losses": result.losses, "after_load": state_after_load,

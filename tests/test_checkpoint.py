@@ -228,13 +228,23 @@ def _record_crcs(directory) -> set[int]:
 
 
 @pytest.mark.parametrize("mode", [pytest.param([], id="sync"), pytest.param(["--async-checkpoint"], id="async")])
-def test_write_failure_on_one_rank_commits_nothing(tmp_path, mode, tiny_gpt_args):
-    base = tiny_gpt_args + COMMON + mode + ["--save", str(tmp_path), "--save-interval", "2", "--train-iters", "6"]
+def test_a_failed_save_commits_nothing_training_goes_on_and_a_second_in_a_row_ends_the_run(tmp_path, mode,
+                                                                                          tiny_gpt_args):
+    """Rank 1 cannot write from iteration 4 on. The save of 4 commits nothing on any rank and
+    every rank trains on (one ``checkpoint_failed`` event); the save of 6, the second failure
+    in a row, ends the run on every rank; ``latest`` stays at 2."""
+    log = tmp_path / "log.jsonl"
+    base = tiny_gpt_args + COMMON + mode + ["--save", str(tmp_path), "--save-interval", "2", "--train-iters", "6",
+                                            "--log-json", str(log)]
     # The rank writes several files (__1_0, __1_1, ...); which one fails first varies.
-    with pytest.raises(RankFailure, match=r"iter_0000004.tmp not committed: .*Permission denied: .*__1_\d+.distcp"):
+    with pytest.raises(RankFailure, match=r"iter_0000006.tmp not committed: .*Permission denied: .*__1_\d+.distcp"):
         run_ranks(run_trainer, 2, args=(base, None, (1, 4)), timeout=200)
     assert (tmp_path / "latest").read_text().strip() == "2"
-    assert not (tmp_path / "iter_0000004").exists()
+    assert not (tmp_path / "iter_0000004").exists() and not (tmp_path / "iter_0000006").exists()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    failed = [r for r in records if r["type"] == "event" and r["event"] == "checkpoint_failed"]
+    assert len(failed) == 1 and "iter_0000004.tmp not committed" in failed[0]["error"], failed
+    assert [r["iteration"] for r in records if r["type"] == "iteration"] == [6]  # trained past the failed save
 
 
 def test_crc32_is_skipped_while_saving_and_restored_after():

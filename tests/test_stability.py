@@ -58,6 +58,31 @@ def test_watchdog_names_the_rank_that_holds_the_others_up():
                                     "waiting for it: rank 0 (grad-sync, iteration 3, 6s)")
 
 
+def test_the_watchdog_gives_up_on_a_rank_stuck_past_the_restart_timeout():
+    """A hang no wait of ours bounds (inside Megatron's TP/PP collectives): the watchdog warns
+    after the step timeout, then calls ``give_up`` naming the stuck rank, once."""
+    import threading
+
+    import torch.distributed as dist
+
+    from higgs_megatron.stability.progress import ProgressBoard, Watchdog
+
+    store = dist.HashStore()
+    ProgressBoard(store, 0).publish(3, "forward-backward")  # stuck
+    ProgressBoard(store, 1).publish(3, "grad-sync")  # waiting for rank 0
+    warned, gave_up, done = [], [], threading.Event()
+    watchdog = Watchdog(store, 2, 0.1, lambda message, stalled: warned.append(message), poll=0.02,
+                        give_up_after=0.3, give_up=lambda message, ranks: (gave_up.append((message, ranks)), done.set()))
+    watchdog.start()
+    try:
+        assert done.wait(10)
+    finally:
+        watchdog.stop()
+    assert warned and warned[0].startswith("no progress for 0.1s or more: rank 0 (forward-backward, iteration 3")
+    assert len(gave_up) == 1 and gave_up[0][0].startswith("no progress for 0.3s or more: rank 0 (forward-backward")
+    assert gave_up[0][1] == [0, 1]  # neither advanced: the job restarts without them
+
+
 def test_alignments_closer_than_ten_minutes_are_frequent():
     log = AlignmentLog()
     assert not log.record("a", 1.0)
@@ -72,6 +97,12 @@ def _base(tiny_gpt_args, tmp_path, name, iters=6):
     return tiny_gpt_args + SPARSE + ["--global-batch-size", "8", "--train-iters", str(iters), "--overlap-grad-reduce",
                                      "--ddp-bucket-size", "20000", "--hidden-dropout", "0", "--attention-dropout", "0",
                                      "--log-json", str(tmp_path / f"{name}.jsonl")]
+
+
+# The distributed optimizer's reduce-scatter, in several bucket groups synced one after the
+# other (no overlap): after the first wait runs out, the later groups' collectives must still go
+# out, or the late rank's would wait for ever.
+DENSE_BUCKETS = ["--use-distributed-optimizer", "--ddp-bucket-size", "20000"]
 
 
 def _dense_auto(tiny_gpt_args, tmp_path, name, iters=6):
@@ -102,9 +133,9 @@ def test_slow_within_the_timeout_hang_past_it_and_nan(tmp_path, tiny_gpt_args):
                                                                   "--inject-fault", "nan@0:3"],
         "nan": _base(tiny_gpt_args, tmp_path, "nan") + ["--inject-fault", "nan@0:4"],
         "clean_dense": _dense_auto(tiny_gpt_args, tmp_path, "clean_dense") + ["--higgs-step-timeout", "4",
-                                                                              "--use-distributed-optimizer"],
+                                                                              *DENSE_BUCKETS],
         "hang_dense": _dense_auto(tiny_gpt_args, tmp_path, "hang_dense") + ["--higgs-step-timeout", "2",
-                                                                            "--use-distributed-optimizer",
+                                                                            *DENSE_BUCKETS,
                                                                             "--inject-fault", "hang@1:3:6"],
     }
     outs = run_ranks(train_variants, 2, args=(variants,), timeout=500)
@@ -169,9 +200,9 @@ def test_crash_restarts_and_resumes_from_the_latest_checkpoint(tmp_path, tiny_gp
 
 def test_a_rank_that_never_returns_ends_in_a_restart_and_the_job_finishes(tmp_path, tiny_gpt_args):
     """freeze@1:5 (rank 1 SIGSTOPs itself for good) under torchrun --max-restarts 1: rank 0 gives
-    the sync up after 2 s, waits at most 6 s for rank 1's vote, says why and exits with status 75;
-    torchrun kills the stopped rank and restarts the job, which resumes from its latest
-    checkpoint and finishes with identical replicas."""
+    the sync up after 2 s, waits at most 6 s for rank 1's vote, says why, kills the stopped rank
+    (on its host) and exits with status 75; torchrun restarts the job, which resumes from its
+    latest checkpoint and finishes with identical replicas."""
     save, log = tmp_path / "ckpt", tmp_path / "freeze.jsonl"
     argv = _dense_auto(tiny_gpt_args, tmp_path, "freeze", iters=8) + [
         "--save", str(save), "--save-interval", "2", "--auto-resume", "--higgs-step-timeout", "2",
@@ -185,6 +216,7 @@ def test_a_rank_that_never_returns_ends_in_a_restart_and_the_job_finishes(tmp_pa
     events = [r for r in records if r["type"] == "event"]
     # Rank 0 says why on stderr (the JSONL writer is the last rank, the frozen one here).
     assert "[rank 0] rank(s) [1] did not vote on step attempt" in proc.stderr, proc.stderr[-4000:]
+    assert "killed the stuck rank(s) [1] on this host" in proc.stderr  # not 30 s of torchrun's SIGTERM grace
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert [e["iteration"] for e in loaded] == [4], loaded
     assert max(e["iteration"] for e in events if e["event"] == "replicas_identical") == 8

@@ -27,7 +27,9 @@ bucket and step, every DP rank makes the same calls with the same sizes:
 4. ``PendingHierarchical.finish``: every node's payloads summed into the slice, then the
    slices all-gathered inside the node back into the whole bucket: identical on every DP rank.
 
-On failure: ``wait`` raises what the collective raised; the bucket is left as it was.
+On failure: ``wait`` raises what the collective raised; the bucket is left as it was. A sync
+given up on (a bounded wait that ran out) calls ``give_up`` instead of ``finish``: nothing
+gathered is read, and the collectives the other ranks will issue still go out.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ class PendingSparseReduce:
         if self.work is not None:
             (waiter or _plain_wait)(self.work)
             self.work = None
+
+    def give_up(self, waiter) -> None:
+        """The step's sync was given up: hand the gather to ``waiter`` (which keeps it for the
+        drain) and read nothing of it (its positions may be any bytes)."""
+        self.wait(waiter)
 
     def finish(self, waiter=None) -> None:
         self.wait(waiter)
@@ -146,6 +153,12 @@ class PendingHierarchical:
 
     def wait(self, waiter=None) -> None:
         self.sparse.wait(waiter)
+
+    def give_up(self, waiter) -> None:
+        """As ``PendingSparseReduce.give_up``, but the node's all-gather still goes out: every
+        rank of the node issues it (what it carries is not used)."""
+        self.sparse.give_up(waiter)
+        waiter(dist.all_gather_into_tensor(self.work, self.piece, group=self.intra, async_op=True))
 
     def finish(self, waiter=None) -> None:
         self.sparse.finish(waiter)  # the slice now holds the sum over all nodes

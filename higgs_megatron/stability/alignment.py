@@ -38,6 +38,10 @@ NONFINITE = "non-finite gradients"
 class VoteTimeout(RuntimeError):
     """Some rank did not vote in time: it is stuck or gone, and the job must restart."""
 
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -71,7 +75,7 @@ class StepVote:
         except RuntimeError as error:  # the store's own timeout error
             missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
             raise VoteTimeout(f"rank(s) {missing} did not vote on step attempt {self.attempt} within "
-                              f"{self.timeout:g}s (--higgs-restart-timeout)") from error
+                              f"{self.timeout:g}s (--higgs-restart-timeout)", missing) from error
         dropped, sync_failed = {}, False
         for rank, key in enumerate(keys):
             vote = json.loads(self.store.get(key))

@@ -58,13 +58,13 @@ class ProgressBoard:
 
 class Watchdog:
     """Warns through ``warn(message, stalled)`` about ranks that stopped advancing; with
-    ``give_up_after``, calls ``give_up(message)`` once some rank has not advanced for that long
+    ``give_up_after``, calls ``give_up(message, ranks)`` once some ranks have not advanced for that long
     (outside ``checkpoint``, whose writes may take long): a hang no wait of ours bounds, such
     as one inside Megatron's own tensor- or pipeline-parallel collectives."""
 
     def __init__(self, store: dist.Store, world_size: int, timeout: float,
                  warn: Callable[[str, list[dict]], None], poll: float | None = None,
-                 give_up_after: float | None = None, give_up: Callable[[str], None] | None = None) -> None:
+                 give_up_after: float | None = None, give_up: Callable[[str, list[int]], None] | None = None) -> None:
         self.store, self.world_size, self.timeout, self.warn = store, world_size, timeout, warn
         self.give_up_after, self.give_up = give_up_after, give_up
         self.poll = poll or max(0.2, min(5.0, timeout / 4))
@@ -108,5 +108,5 @@ class Watchdog:
             if stalled:
                 self.warn(describe(stalled, self.timeout), stalled)
             if lost and self.give_up is not None:
-                self.give_up(describe(lost, self.give_up_after))
+                self.give_up(describe(lost, self.give_up_after), [entry["rank"] for entry in lost])
                 return

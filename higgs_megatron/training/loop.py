@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -177,6 +177,7 @@ class Trainer:
         if args.load:
             self._load()
         self._saved_at = self.iteration
+        self.failed_saves = 0  # in a row
         self.wall_clock = WallClockInterval(args.checkpoint_interval) if args.checkpoint_interval else None
 
     def _log_sync_plan(self) -> None:
@@ -224,15 +225,16 @@ class Trainer:
                        f"({time.perf_counter() - started:.2f}s)", path=str(loaded.path), iteration=self.iteration,
                        consumed_samples=self.consumed_samples, seconds=time.perf_counter() - started)
 
-    def save(self) -> None:
+    def save(self, final: bool = False) -> None:
         """Synchronous: the whole save. With ``--async-checkpoint``: wait for the previous save,
-        then hand this one to the background writer."""
+        then hand this one to the background writer. ``final``: no save comes after it."""
         self.resilience.phase(self.iteration, "checkpoint")
         if self.checkpointer is None:
             self.log.event("save_started", iteration=self.iteration)
-            self._committed([save_checkpoint(self.training_state(), self.args.save, self.args.keep_last)])
+            self._committed(lambda: [save_checkpoint(self.training_state(), self.args.save, self.args.keep_last)],
+                            last_chance=final)
         else:
-            self._committed(self.checkpointer.wait())
+            self._committed(self.checkpointer.wait)
             self.log.event("save_started", iteration=self.iteration)
             started = time.perf_counter()
             self.checkpointer.start(self.training_state(), self.args.save, self.args.keep_last)
@@ -248,7 +250,24 @@ class Trainer:
                 self.checkpointer.before_update()
             self.memory.settle()  # the save has its copy: offloaded state leaves again now
 
-    def _committed(self, results: list[SaveResult]) -> None:
+    def _committed(self, finish: Callable[[], list[SaveResult]], last_chance: bool = False) -> None:
+        """Log what ``finish()`` committed. A save that failed on any rank (a write, or an async
+        save's host copy: megatron-core's finalization raises it on every rank) committed
+        nothing and cost the run no state, so training goes on and the next save tries again
+        (event ``checkpoint_failed``); a second failure in a row, or a failed last save, ends
+        the run (``CheckpointError``, exit status 3)."""
+        try:
+            results = finish()
+        except CheckpointError as error:
+            self.failed_saves += 1
+            if last_chance or self.failed_saves >= FAILED_SAVES_TO_STOP:
+                raise
+            self.log.event("checkpoint_failed", f" WARNING: {error}; the latest committed checkpoint stays the "
+                           "latest; training goes on and the next save tries again", iteration=self.iteration,
+                           error=str(error))
+            return
+        if results:
+            self.failed_saves = 0
         for result in results:
             self.log.event("checkpoint_committed", f" saved {result.path} ({result.bytes / 1e6:.1f} MB, "
                            f"{result.seconds:.2f}s from start to commit)", path=str(result.path),
@@ -267,7 +286,7 @@ class Trainer:
     def finish_saves(self) -> None:
         """At the end of training: pending saves finish (every rank)."""
         if self.checkpointer is not None:
-            self._committed(self.checkpointer.close())
+            self._committed(self.checkpointer.close, last_chance=True)
 
     def _wire_megatron_hooks(self) -> None:
         """What Megatron-LM's training.py sets on the model config before its loop."""
@@ -414,7 +433,7 @@ class Trainer:
                                    f"{valid_loss:.6E}", iteration=self.iteration, loss=valid_loss)
                 window.excluded += time.perf_counter() - paused
             if self.checkpointer is not None:
-                self._committed(self.checkpointer.poll())
+                self._committed(self.checkpointer.poll)
             if self._save_due():
                 paused = time.perf_counter()
                 self.save()
@@ -426,7 +445,7 @@ class Trainer:
                                   else ""), iteration=self.iteration, reason=result.exit_reason)
                 break
         if args.save and self._saved_at != self.iteration:
-            self.save()
+            self.save(final=True)
         self.finish_saves()
         return result
 
@@ -593,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 EXIT_CHECKPOINT = 3
+FAILED_SAVES_TO_STOP = 2  # failed saves in a row that end the run
 EXIT_PEER_LOST = RESTART_EXIT_CODE
 
 

@@ -35,7 +35,7 @@ from ..logs import get_logger
 from ..stability.alignment import AlignmentLog, StepDecision, StepVote, Verdict, VoteTimeout
 from ..stability.faults import Fault, FaultInjector, exit_at_once
 from ..stability.progress import ProgressBoard, Watchdog, job_store
-from ..stability.regroup import RESTART_EXIT_CODE, GroupsLost
+from ..stability.regroup import RESTART_EXIT_CODE, GroupsLost, kill_stuck_on_this_host, publish_process
 from .metrics import MetricsLogger
 
 
@@ -56,7 +56,7 @@ class Resilience:
         self.restart_timeout = restart_timeout
         self.injector = FaultInjector(faults, self.rank)
         self.alignments = AlignmentLog()
-        self.board = self.watchdog = None
+        self.board = self.watchdog = self.store = None
         self.attempt_started = 0.0
         if self.timeout is None:
             return
@@ -64,8 +64,9 @@ class Resilience:
         # (every rank builds the same Trainers in the same order), must not count.
         Resilience._instances += 1
         prefix = f"higgs/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{Resilience._instances}/"
-        store = job_store(prefix)
+        store = self.store = job_store(prefix)
         self.board = ProgressBoard(store, self.rank)
+        publish_process(store, self.rank)
         optimizer.decision = StepDecision(StepVote(store, self.rank, self.world_size, self.restart_timeout))
         for chunk in model:
             if isinstance(chunk, HiggsDDP):
@@ -113,13 +114,19 @@ class Resilience:
         end this rank for a restart."""
         try:
             yield
-        except (VoteTimeout, GroupsLost) as error:
+        except VoteTimeout as error:
+            self.restart(str(error), stuck=error.missing)
+        except GroupsLost as error:
             self.restart(str(error))
 
-    def restart(self, message: str) -> None:
-        """Log why, then exit with the restart status at once: a process group stuck in a
-        collective could hang an orderly shutdown."""
-        text = (f"[rank {self.rank}] {message}; exiting with status {RESTART_EXIT_CODE} so that torchrun "
+    def restart(self, message: str, stuck: list[int] = ()) -> None:
+        """Log why, kill the ``stuck`` ranks' processes on this host (``regroup.kill_stuck_on_this_host``),
+        then exit with the restart status at once: a process group stuck in a collective could
+        hang an orderly shutdown."""
+        killed = kill_stuck_on_this_host(self.store, stuck) if stuck and self.board is not None else []
+        text = (f"[rank {self.rank}] {message}; "
+                + (f"killed the stuck rank(s) {killed} on this host; " if killed else "")
+                + f"exiting with status {RESTART_EXIT_CODE} so that torchrun "
                 "--max-restarts restarts the job (with --auto-resume from the latest committed checkpoint)")
         if self.log.is_writer:
             self.log.event("restart_needed", f" ERROR: {text}", rank=self.rank, reason=message)
