@@ -17,7 +17,8 @@ pretrain script (2 ranks, ``--save-interval``, ``--async-checkpoint``, ``--auto-
   end of the iteration and exits with status 0; the benchmark then starts the job again at
   once, as a scheduler requeueing it would.
 
-Per fault: seconds from the fault to the next completed iteration, what of it went to the
+Per fault: seconds from the fault to the next iteration completed after the recovery (the
+alignment, or the checkpoint load of the restarted job), what of it went to the
 rebuild of the groups or the checkpoint load, and the iterations lost (completed before the
 fault, redone after it). Everything comes from the runs' ``--log-json`` (fault, alignment,
 load events and iteration timestamps). Writes ``recovery.md`` and, with matplotlib,
@@ -80,9 +81,10 @@ def measure(kind: str, buckets: str, log_json: Path) -> dict:
     rows = [json.loads(line) for line in log_json.read_text().splitlines()]
     index, fault = next((i, r) for i, r in enumerate(rows) if r.get("event") == "fault_injected")
     after = rows[index + 1:]
-    first = next(r for r in after if r["type"] == "iteration")
     aligned = next((r for r in after if r.get("event") == "progress_alignment"), None)
     loaded = next((r for r in after if r.get("event") == "checkpoint_loaded"), None)
+    recovered = aligned or loaded  # the next iteration is the first one completed after it
+    first = next(r for r in rows[rows.index(recovered) + 1 if recovered else index + 1:] if r["type"] == "iteration")
     # A restart redoes what was completed after the checkpoint it loads; an alignment redoes nothing.
     completed = max((r["iteration"] for r in rows[:rows.index(loaded)] if r["type"] == "iteration"), default=0) \
         if loaded else 0
@@ -128,7 +130,8 @@ def main() -> int:
     parser.add_argument("--save-interval", type=int, default=4)
     parser.add_argument("--hang-seconds", type=float, default=6.0)
     parser.add_argument("--step-timeout", type=float, default=2.0)
-    parser.add_argument("--restart-timeout", type=float, default=6.0)
+    parser.add_argument("--restart-timeout", type=float, default=10.0,
+                        help="longer than --hang-seconds: a hang that long is a stuck rank")
     parser.add_argument("--kinds", default=",".join(FAULTS), help=f"comma-separated, of: {', '.join(FAULTS)}")
     parser.add_argument("--out", default=str(REPO / "runs" / "recovery"))
     parser.add_argument("--reuse", action="store_true", help="tabulate the logs already in --out; run nothing")
