@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 
 from .ddp import HiggsDDP
+from .device import collective_device
 from .frozen_variance import check_supported, freeze_variance
 from .stability.alignment import StepDecision, Verdict
 from .stability.progress import job_store
@@ -88,29 +89,29 @@ class HiggsOptimizer(MegatronOptimizer):
         """The step's one decision: the chunks' device flags folded on the device, with each
         chunk's sync failure, agreed by every rank (the step's only read of its gradient path:
         Megatron's own step reads its grad norm right after)."""
-        if not self.model_chunks:
-            return Verdict({})
-        flag = torch.stack([chunk.nonfinite_flag() for chunk in self.model_chunks]).any()
+        flag = torch.stack([chunk.nonfinite_flag() for chunk in self.model_chunks]).any() if self.model_chunks \
+            else None  # still votes: the other ranks wait for this one's
         failures = [failure for chunk in self.model_chunks if (failure := chunk.take_sync_failure())]
-        return self.decision.decide(flag, "; ".join(failures) or None, flag.device)
+        return self.decision.decide(flag, "; ".join(failures) or None,
+                                    flag.device if flag is not None else collective_device())
 
     @torch.no_grad()
     def step(self):
         verdict = self.last_verdict = self._decide()
         if verdict.keep:
             return self.inner.step()
-        for chunk in self.model_chunks:
-            chunk.rollback_residuals()
-            chunk.zero_grad_buffer()
-        self.inner.zero_grad()
         self.skipped_steps += 1
-        if verdict.sync_failed:
+        if verdict.sync_failed:  # first: the drain lets given-up collectives finish writing the buffers
             vote = self.decision.vote
             store = vote.store if vote is not None else job_store("higgs/regroup/")
             self.regroup_seconds = rebuild_process_groups(
                 self.model_chunks, [megatron for megatron, _ in torch_optimizers(self.inner)], store,
                 vote.attempt if vote is not None else self.skipped_steps,
                 self.model_chunks[0].sync_timeout or 60.0)
+        for chunk in self.model_chunks:
+            chunk.rollback_residuals()
+            chunk.zero_grad_buffer()
+        self.inner.zero_grad()
         for callback in self.on_skip:
             callback(verdict)
         return False, None, None

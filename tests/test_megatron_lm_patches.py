@@ -36,6 +36,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--optimizer-cpu-offload", action="store_true")
     parser.add_argument("--log-params-norm", action="store_true")
+    parser.add_argument("--calculate-per-token-loss", action="store_true")
     parser.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                         dest="check_for_nan_in_loss_and_grad")
     return parser
@@ -114,6 +115,7 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--higgs-step-timeout", "10", "--higgs-restart-timeout", "5"], r"--higgs-restart-timeout 5 must be longer"),
     (["--inject-fault", "hang@1"], r"--inject-fault 'hang@1': expected KIND@RANK:ITER\[:SECONDS\]"),
     (["--inject-fault", "nan@0:2"], r"--inject-fault nan: .*add --no-check-for-nan-in-loss-and-grad"),
+    (["--higgs-step-timeout", "5", "--calculate-per-token-loss"], r"--higgs-step-timeout with --calculate-per-token"),
 ])
 def test_bad_flags_are_named_and_args_are_left_untouched(flags, message):
     args = parse("--use-higgs", *flags)

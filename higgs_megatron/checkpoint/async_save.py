@@ -145,7 +145,6 @@ class AsyncCheckpointer:
 
     def __init__(self) -> None:
         self.queue = _ThreadCallsQueue()
-        self._results: queue.Queue = queue.Queue()  # the writer thread's results (see _results_queue)
         self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1, cached_metadata=True)
         self.validated = False
         self.pending: PendingCheckpoint | None = None
@@ -165,7 +164,7 @@ class AsyncCheckpointer:
         shards = shard_records(state)
         live = {v.data.data_ptr() for v in nested_values(state)
                 if isinstance(v, ShardedBase) and isinstance(getattr(v, "data", None), torch.Tensor)}
-        with _results_queue(self._results):
+        with _results_queue(queue.Queue()):  # this save's own: a failed save leaves nothing for the next
             request = dist_checkpointing.save(state, str(snapshot.directory), sharded_strategy=self.strategy,
                                               validate_access_integrity=not self.validated, async_sharded_save=True)
         self.validated = True

@@ -73,8 +73,11 @@ class Resilience:
                 chunk.set_sync_timeout(self.timeout)
         if log.is_writer:
             watch_store = dist.PrefixStore(prefix, store.underlying_store.clone())
+            # The watchdog's thread kills through its own store client: the main thread's may be
+            # held by the vote's wait.
             self.watchdog = Watchdog(watch_store, self.world_size, self.timeout, self._stalled,
-                                     give_up_after=self.restart_timeout, give_up=self.restart).start()
+                                     give_up_after=self.restart_timeout,
+                                     give_up=lambda message, ranks: self.restart(message, ranks, watch_store)).start()
 
     def watch_grad_sync(self, config, iteration) -> None:
         """Publish phase ``grad-sync`` when Megatron starts waiting for the sync, so that the
@@ -119,11 +122,11 @@ class Resilience:
         except GroupsLost as error:
             self.restart(str(error))
 
-    def restart(self, message: str, stuck: list[int] = ()) -> None:
+    def restart(self, message: str, stuck: list[int] = (), store: dist.Store | None = None) -> None:
         """Log why, kill the ``stuck`` ranks' processes on this host (``regroup.kill_stuck_on_this_host``),
         then exit with the restart status at once: a process group stuck in a collective could
         hang an orderly shutdown."""
-        killed = kill_stuck_on_this_host(self.store, stuck) if stuck and self.board is not None else []
+        killed = kill_stuck_on_this_host(store or self.store, stuck) if stuck and self.board is not None else []
         text = (f"[rank {self.rank}] {message}; "
                 + (f"killed the stuck rank(s) {killed} on this host; " if killed else "")
                 + f"exiting with status {RESTART_EXIT_CODE} so that torchrun "

@@ -131,6 +131,10 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
         faults = check_stability(args, getattr(args, "world_size", None), use_higgs=True)
     except ValueError as error:
         raise PatchUsageError(str(error)) from None
+    if args.higgs_step_timeout is not None and getattr(args, "calculate_per_token_loss", False):
+        raise PatchUsageError("--higgs-step-timeout with --calculate-per-token-loss: Megatron-LM then all-reduces the "
+                              "token count over the data-parallel group right after the sync, a wait this layer cannot "
+                              "bound; give one")
     if any(fault.kind == "nan" for fault in faults) and getattr(args, "check_for_nan_in_loss_and_grad", False):
         raise PatchUsageError("--inject-fault nan: Megatron-LM's own check stops the run at a NaN before --use-higgs "
                               "can skip the step; add --no-check-for-nan-in-loss-and-grad")
