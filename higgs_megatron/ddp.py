@@ -130,6 +130,35 @@ class _Shared:
     nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical"
     costs: LinkCosts | None = None  # with sync="auto"
 
+    def wait(self, work) -> None:
+        """Wait for one collective of this step's sync, as ``_GroupHandle`` says."""
+        if self.abandoned:  # this step's sync is given up: wait for nothing more
+            self.abandoned.append(work)
+            return
+        if self.sync_timeout is None:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=timedelta(seconds=self.sync_timeout))
+        except RuntimeError as error:
+            if peer_lost(error):  # a peer process is gone: only a restart helps
+                raise
+            timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+            self.sync_failed = (f"rank {dist.get_rank()}: gradient sync did not complete within "
+                                f"{self.sync_timeout:g}s" if timed_out else
+                                f"rank {dist.get_rank()}: gradient sync failed: {str(error).splitlines()[0][:200]}")
+            self.abandoned.append(work)
+
+    def launch(self, launch: Callable[[], Any]) -> Any:
+        """``launch()``; once this step's sync has been given up, a launch that fails (NCCL
+        refuses collectives on a communicator its timed-out wait aborted) is skipped: None."""
+        try:
+            return launch()
+        except RuntimeError:
+            if not self.abandoned:
+                raise
+            return None
+
 
 class _GroupHandle:
     """What ``grad_reduce_handle`` holds: dense works and sparse gathers in flight.
@@ -153,36 +182,17 @@ class _GroupHandle:
         self.on_done = on_done
         self.shared = shared
 
-    def _wait(self, work) -> None:
-        shared = self.shared
-        if shared.abandoned:  # this step's sync is given up: wait for nothing more
-            shared.abandoned.append(work)
-            return
-        if shared.sync_timeout is None:
-            work.wait()
-            return
-        try:
-            work.wait(timeout=timedelta(seconds=shared.sync_timeout))
-        except RuntimeError as error:
-            if peer_lost(error):  # a peer process is gone: only a restart helps
-                raise
-            timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
-            shared.sync_failed = (f"rank {dist.get_rank()}: gradient sync did not complete within "
-                                  f"{shared.sync_timeout:g}s" if timed_out else
-                                  f"rank {dist.get_rank()}: gradient sync failed: {str(error).splitlines()[0][:200]}")
-            shared.abandoned.append(work)
-
     def wait(self) -> None:
         for work in self.dense_works:
             if work is not None:
-                self._wait(work)
+                self.shared.wait(work)
         for pending in self.sparse:
-            pending.wait(self._wait)
+            pending.wait(self.shared.wait)
             if self.shared.abandoned:
                 with contextlib.suppress(RuntimeError):  # an aborted NCCL communicator refuses them
-                    pending.give_up(self._wait)  # nothing read; its collectives still go out (see above)
+                    pending.give_up(self.shared.wait)  # nothing read; its collectives still go out (see above)
             else:
-                pending.finish(self._wait)
+                pending.finish(self.shared.wait)
                 if self.average_over > 1:
                     pending.target.div_(self.average_over)
         self.dense_works, self.sparse = [], []
@@ -276,7 +286,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if path == "hierarchical":
                 if sums is not None:
                     sums.append(grad.sum(dtype=torch.float32))
-                pending = self._launch(lambda: self._launch_hierarchical(idx, grad, density, stats, async_op))
+                pending = shared.launch(lambda: self._launch_hierarchical(idx, grad, density, stats, async_op))
                 if pending is not None:
                     sparse.append(pending)
                     if sums is not None:  # this rank's slice: the node's sum plus the residual
@@ -292,7 +302,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 stats.dense_buckets += 1
                 if sums is not None:
                     sums.append(grad.sum(dtype=torch.float32))
-                dense_works.append(self._launch(lambda: self._launch_dense(idx, grad, reduce_op, group, async_op,
+                dense_works.append(shared.launch(lambda: self._launch_dense(idx, grad, reduce_op, group, async_op,
                                                                           force_all_reduce)))
                 continue
             plan = self.higgs_plans[idx]
@@ -303,7 +313,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             stats.sparse_buckets += 1
             if sums is not None:
                 sums.append(grad.sum(dtype=torch.float32))
-            pending = self._launch(lambda: launch_sparse_allreduce(
+            pending = shared.launch(lambda: launch_sparse_allreduce(
                 sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions, sparse_grad.values, grad,
                 group, async_op=async_op))
             if pending is not None:
@@ -321,11 +331,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             self.grad_reduce_handle = None
 
     def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, stats: SyncStats,
-                             async_op: bool) -> PendingHierarchical | None:
+                             async_op: bool) -> PendingHierarchical:
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes
         (after a given-up reduce-scatter too: see ``_GroupHandle``)."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
-        work, piece = node_reduce_scatter(grad, nodes.intra, self._bounded_wait,
+        work, piece = node_reduce_scatter(grad, nodes.intra, self.higgs.wait,
                                           bounded=self.higgs.sync_timeout is not None)
         with self.higgs.compress_timer.measure(grad.device):
             sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
@@ -336,19 +346,6 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         stats.sparse_buckets += 1
         return launch_hierarchical(sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions,
                                    sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op)
-
-    def _launch(self, launch: Callable[[], Any]) -> Any:
-        """``launch()``; once this step's sync has been given up, a launch that fails (NCCL
-        refuses collectives on a communicator its timed-out wait aborted) is skipped: None."""
-        if not self.higgs.abandoned:
-            return launch()
-        try:
-            return launch()
-        except RuntimeError:
-            return None
-
-    def _bounded_wait(self, work) -> None:
-        _GroupHandle([], [], 1, on_done=None, shared=self.higgs)._wait(work)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:
