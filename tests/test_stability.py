@@ -40,7 +40,7 @@ def test_bad_fault_specs_are_named(spec, message):
     (["--higgs-step-timeout", "5"], "--higgs-step-timeout needs --use-higgs"),
     (["--use-higgs", "--higgs-step-timeout", "0"], "--higgs-step-timeout must be positive, got 0.0"),
     (["--inject-fault", "hang@9:1:1"], "rank 9 does not exist in a world of 2"),
-    (["--auto-resume"], "--auto-resume needs --save DIR"),
+    (["--auto-resume"], "--auto-resume: needs --save DIR"),
     (["--exit-interval", "0"], "--exit-interval must be 1 or more, got 0"),
     (["--exit-duration-in-mins", "-1"], "--exit-duration-in-mins must be positive, got -1.0"),
     (["--exit-signal", "SIGUSR1"], "--exit-signal SIGUSR1: only with --exit-signal-handler"),

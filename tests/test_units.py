@@ -171,12 +171,15 @@ def test_a_config_error_names_its_field_and_crosses_processes():
 
 
 def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclasses():
-    """Each flagged field of HiggsConfig and OffloadConfig is a flag of our pretrain script and of
-    the Megatron-LM patches, with the field's default, and reads back into the same config."""
+    """Each flagged field of HiggsConfig, OffloadConfig, CheckpointConfig and StabilityConfig is a
+    flag of our pretrain script and of the Megatron-LM patches, with the field's default, and reads
+    back into the same config; a bad value is refused naming its flag."""
     import argparse
     from dataclasses import fields
 
+    from higgs_megatron.checkpoint.flags import CheckpointConfig, checkpoint_config_from_args
     from higgs_megatron.config import HiggsConfig, higgs_config_from_args
+    from higgs_megatron.stability.flags import StabilityConfig
     from higgs_megatron.field_flags import field_flag, field_values, flag_dest
     from higgs_megatron.memory import OffloadConfig
     from higgs_megatron.memory.flags import offload_config_from_args
@@ -185,8 +188,11 @@ def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclass
 
     assert flag_dest("--no-higgs-pin-memory") == "higgs_pin_memory"
     assert field_flag(OffloadConfig, "directory") == "--higgs-offload-dir"
-    for parser in (build_parser(), add_patch_args(argparse.ArgumentParser())):
-        for config_class in (HiggsConfig, OffloadConfig):
+    megatron_like = argparse.ArgumentParser()  # Megatron-LM's parser holds --save and --load
+    megatron_like.add_argument("--save")
+    megatron_like.add_argument("--load")
+    for parser in (build_parser(), add_patch_args(megatron_like)):
+        for config_class in (HiggsConfig, OffloadConfig, CheckpointConfig, StabilityConfig):
             flagged = [f for f in fields(config_class) if "flag" in f.metadata]
             assert flagged and all(f.metadata["flag"] in parser._option_string_actions for f in flagged)
             assert field_values(parser.parse_args([]), config_class) == {f.name: f.default for f in flagged}
@@ -196,3 +202,13 @@ def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclass
         assert offload_config_from_args(args) == OffloadConfig(threshold=0.5, pin_memory=False)
         with pytest.raises(ValueError, match="--higgs-compression-ratio"):
             higgs_config_from_args(parser.parse_args(["--higgs-compression-ratio", "2"]))
+        args = parser.parse_args(["--save", "/s", "--recovery-mode", "reshard", "--checkpoint-interval", "30",
+                                  "--async-checkpoint", "--inject-fault", "hang@0:2", "--inject-fault", "nan@1:3"])
+        assert checkpoint_config_from_args(args) == CheckpointConfig(recovery_mode="reshard", checkpoint_interval=30.0,
+                                                                     async_checkpoint=True)
+        assert args.inject_fault == ["hang@0:2", "nan@1:3"]
+        for argv, flag in ((["--save", "/s", "--checkpoint-interval", "inf"], "--checkpoint-interval inf: expected"),
+                           (["--load", "/s", "--checkpoint-version", "0"], "--checkpoint-version 0: expected"),
+                           (["--auto-resume"], "--auto-resume: needs --save DIR")):
+            with pytest.raises(ValueError, match=flag):
+                checkpoint_config_from_args(parser.parse_args(argv))

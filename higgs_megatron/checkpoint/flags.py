@@ -1,28 +1,82 @@
-"""The rank-map checkpoint flags both front-ends add, declared once with one set of defaults.
+"""The rank-map checkpoint flags both front-ends add, generated and checked from one dataclass.
 
-Our pretrain script adds them beside ``--save``/``--load``; the Megatron-LM patches add them to
-Megatron-LM's parser, whose own ``--save``, ``--load`` and ``--save-interval`` they extend.
+``CheckpointConfig``'s fields carry their flags (``field_flags``), so our pretrain script and the
+Megatron-LM patches get the same flags with the same defaults, and the same checks
+(``checkpoint_config_from_args``). Our script adds them beside ``--save``/``--load``; the
+Megatron-LM patches add them to Megatron-LM's parser, whose own ``--save``, ``--load`` and
+``--save-interval`` they extend.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+from dataclasses import dataclass, field
 
+from ..field_flags import add_field_flags, field_flag, field_values
+from ..field_flags import flag_metadata as _flag
 from .validation import RECOVERY_MODES
 
 
-def add_rank_map_args(group: argparse._ArgumentGroup, async_help: str) -> None:
-    """``--recovery-mode``, ``--checkpoint-version``, ``--async-checkpoint`` (``async_help``
-    says what the front-end's background save is), ``--checkpoint-interval`` and ``--auto-resume``."""
-    group.add_argument("--recovery-mode", choices=RECOVERY_MODES, default="same-sharding",
-                       help="on --load: same-sharding refuses a checkpoint saved with another layout, naming each "
-                            "difference; reshard loads it into this layout")
-    group.add_argument("--checkpoint-version", type=int, default=None, metavar="ITER",
-                       help="load the committed checkpoint of this iteration instead of the latest")
-    group.add_argument("--async-checkpoint", action="store_true", help=async_help)
-    group.add_argument("--checkpoint-interval", type=float, default=None, metavar="SECONDS",
-                       help="also save when this much wall-clock time has passed since the last save "
-                            "(decided together by all ranks)")
-    group.add_argument("--auto-resume", action="store_true",
-                       help="resume from the latest committed checkpoint in --save if there is one (--load defaults "
-                            "to --save): what a job restarted by torchrun --max-restarts needs")
+class CheckpointConfigError(ValueError):
+    """A CheckpointConfig value out of range; the message starts with the field's flag."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    recovery_mode: str = field(default="same-sharding", metadata=_flag(
+        "--recovery-mode", "on --load: same-sharding refuses a checkpoint saved with another layout, naming each "
+        "difference; reshard loads it into this layout", choices=RECOVERY_MODES))
+    """What a layout different from the checkpoint's does on load: refuse, or reshard."""
+
+    checkpoint_version: int | None = field(default=None, metadata=_flag(
+        "--checkpoint-version", "load the committed checkpoint of this iteration instead of the latest",
+        type=int, metavar="ITER"))
+    """The iteration to load; None loads the latest committed checkpoint."""
+
+    async_checkpoint: bool = field(default=False, metadata=_flag(
+        "--async-checkpoint", "save in the background: the loop pays for planning the save and a host copy of "
+        "the state; writing, hashing and the commit overlap the next iterations (under Megatron-LM, its "
+        "--async-save with the rank map's commit)", action="store_true"))
+    """Write, hash and commit in the background."""
+
+    checkpoint_interval: float | None = field(default=None, metadata=_flag(
+        "--checkpoint-interval", "also save when this much wall-clock time has passed since the last save "
+        "(decided together by all ranks)", type=float, metavar="SECONDS"))
+    """Seconds of wall-clock time between saves, on top of any iteration interval."""
+
+    auto_resume: bool = field(default=False, metadata=_flag(
+        "--auto-resume", "resume from the latest committed checkpoint in --save if there is one (--load defaults "
+        "to --save): what a job restarted by torchrun --max-restarts needs", action="store_true"))
+    """Load from ``--save`` when ``--load`` is not given."""
+
+    def __post_init__(self) -> None:
+        if self.recovery_mode not in RECOVERY_MODES:
+            self._error("recovery_mode", f"{self.recovery_mode!r}: expected one of {', '.join(RECOVERY_MODES)}")
+        if self.checkpoint_version is not None and self.checkpoint_version < 1:
+            # Megatron-LM reads ckpt_step 0 as "not given", and no run commits iteration 0.
+            self._error("checkpoint_version", f"{self.checkpoint_version}: expected an iteration, 1 or more")
+        interval = self.checkpoint_interval
+        if interval is not None and not (interval > 0 and math.isfinite(interval)):
+            self._error("checkpoint_interval", f"{interval}: expected a positive number of seconds")
+
+    @staticmethod
+    def _error(field_name: str, message: str) -> None:
+        raise CheckpointConfigError(f"{field_flag(CheckpointConfig, field_name)} {message}")
+
+
+def add_rank_map_args(group: argparse._ActionsContainer) -> None:
+    """The flags, one per ``CheckpointConfig`` field."""
+    add_field_flags(group, CheckpointConfig)
+
+
+def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointConfig:
+    """Build the config from ``args`` (``--save``/``--load`` included); raises ValueError naming
+    the flag, and changes nothing on ``args``."""
+    config = CheckpointConfig(**field_values(args, CheckpointConfig))
+    for name in ("checkpoint_interval", "async_checkpoint", "auto_resume"):
+        if getattr(config, name) not in (None, False) and not args.save:
+            raise CheckpointConfigError(f"{field_flag(CheckpointConfig, name)}: needs --save DIR")
+    if config.checkpoint_version is not None and not args.load:
+        raise CheckpointConfigError("--checkpoint-version: needs --load DIR (the checkpoints to choose from)")
+    return config

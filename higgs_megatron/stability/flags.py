@@ -1,4 +1,4 @@
-"""The stability flags both front-ends add, declared and checked once.
+"""The stability flags both front-ends add, generated from one dataclass and checked once.
 
 Our pretrain script adds them to its parser; the Megatron-LM patches add them to Megatron-LM's.
 ``check_stability`` raises ``ValueError`` naming the flag; each front-end turns that into
@@ -8,24 +8,37 @@ its own usage error.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
+from ..field_flags import add_field_flags
+from ..field_flags import flag_metadata as _flag
 from .faults import Fault, FaultSpecError, parse_fault
 
 DEFAULT_RESTART_TIMEOUT = 300.0
 
 
-def add_stability_args(group: argparse._ArgumentGroup) -> None:
-    """``--higgs-step-timeout``, ``--higgs-restart-timeout`` and ``--inject-fault``."""
-    group.add_argument("--higgs-step-timeout", type=float, default=None, metavar="SECONDS",
-                       help="warn about ranks that make no progress for this long, and give up on a gradient "
-                            "sync that takes longer: every rank drops the step, rebuilds its data-parallel groups "
-                            "and runs the iteration again (a progress alignment)")
-    group.add_argument("--higgs-restart-timeout", type=float, default=None, metavar="SECONDS",
-                       help="with --higgs-step-timeout: a rank that waits this long for another (in the step's "
-                            "vote, or stuck anywhere as the watchdog sees it) exits with status 75, so that "
-                            f"torchrun --max-restarts restarts the job (default {DEFAULT_RESTART_TIMEOUT:g})")
-    group.add_argument("--inject-fault", action="append", default=[], metavar="KIND@RANK:ITER[:SECONDS]",
-                       help="inject a fault (hang, slow, freeze, sigterm, crash, nan) on a rank at an iteration; repeatable")
+@dataclass(frozen=True)
+class StabilityConfig:
+    """The stability flags' fields (checked by ``check_stability``, which needs the launch too)."""
+
+    higgs_step_timeout: float | None = field(default=None, metadata=_flag(
+        "--higgs-step-timeout", "warn about ranks that make no progress for this long, and give up on a gradient "
+        "sync that takes longer: every rank drops the step, rebuilds its data-parallel groups and runs the "
+        "iteration again (a progress alignment)", type=float, metavar="SECONDS"))
+    higgs_restart_timeout: float | None = field(default=None, metadata=_flag(
+        "--higgs-restart-timeout", "with --higgs-step-timeout: a rank that waits this long for another (in the "
+        "step's vote, or stuck anywhere as the watchdog sees it) exits with status 75, so that torchrun "
+        f"--max-restarts restarts the job (default: the longer of {DEFAULT_RESTART_TIMEOUT:g} s and two step "
+        "timeouts)", type=float, metavar="SECONDS"))
+    inject_fault: list[str] | None = field(default=None, metadata=_flag(
+        "--inject-fault", "inject a fault (hang, slow, freeze, sigterm, crash, nan) on a rank at an iteration; "
+        "repeatable", action="append", metavar="KIND@RANK:ITER[:SECONDS]"))
+
+
+def add_stability_args(group: argparse._ActionsContainer) -> None:
+    """``--higgs-step-timeout``, ``--higgs-restart-timeout`` and ``--inject-fault``, one per
+    ``StabilityConfig`` field."""
+    add_field_flags(group, StabilityConfig)
 
 
 def check_stability(args: argparse.Namespace, world_size: int | None, use_higgs: bool) -> list[Fault]:
@@ -44,7 +57,7 @@ def check_stability(args: argparse.Namespace, world_size: int | None, use_higgs:
         raise ValueError(f"--higgs-restart-timeout {args.higgs_restart_timeout:g} must be longer than "
                          f"--higgs-step-timeout {args.higgs_step_timeout:g}")
     try:
-        return [parse_fault(spec, world_size) for spec in args.inject_fault]
+        return [parse_fault(spec, world_size) for spec in args.inject_fault or ()]
     except FaultSpecError as error:
         raise ValueError(str(error)) from None
 

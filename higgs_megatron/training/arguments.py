@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ..checkpoint.flags import add_rank_map_args
+from ..checkpoint.flags import add_rank_map_args, checkpoint_config_from_args
 from ..logs import setup_logging
 from ..config import add_higgs_args, compression_flags_given, higgs_config_from_args
 from ..memory import OffloadError
@@ -132,8 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (and at the end of training)")
     g.add_argument("--save-interval", type=int, default=None, metavar="ITERS", help="save every N iterations")
     g.add_argument("--load", default=None, metavar="DIR", help="resume from the latest committed checkpoint here")
-    add_rank_map_args(g, async_help="the loop pays only for planning the save; the host copy (done before the next "
-                                    "optimizer step), writing, hashing and commit run in the background")
+    add_rank_map_args(g)
     g.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep only the newest N checkpoints")
 
     g = parser.add_argument_group("stability")
@@ -159,8 +158,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "global_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
               "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads",
-              "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last",
-              "checkpoint_interval", "higgs_step_timeout")
+              "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last", "higgs_step_timeout")
     for check in (_check_higgs, _check_checkpoints, _check_optimizer, _check_stability, _check_memory,
                   _check_recompute, _check_layout, _check_model, _check_schedule, _check_data, _check_runtime):
         check(args, world_size)
@@ -181,11 +179,12 @@ def _check_higgs(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _check_checkpoints(args: argparse.Namespace, world_size: int) -> None:
-    for flag in ("save_interval", "checkpoint_interval", "async_checkpoint", "auto_resume"):
-        if getattr(args, flag) not in (None, False) and args.save is None:
-            raise UsageError(f"--{flag.replace('_', '-')} needs --save DIR")
-    if args.checkpoint_version is not None and args.load is None:
-        raise UsageError("--checkpoint-version needs --load DIR")
+    if args.save_interval is not None and args.save is None:
+        raise UsageError("--save-interval: needs --save DIR")
+    try:
+        checkpoint_config_from_args(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     resuming_own_saves = args.auto_resume and args.load is None
     if resuming_own_saves:
         args.load = args.save  # the job's first attempt finds nothing there and starts from scratch

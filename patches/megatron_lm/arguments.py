@@ -23,10 +23,9 @@ silently ignored.
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Callable
 
-from higgs_megatron.checkpoint.flags import add_rank_map_args
+from higgs_megatron.checkpoint.flags import add_rank_map_args, checkpoint_config_from_args
 from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from_args
 from higgs_megatron.given_flags import flags_given
 from higgs_megatron.memory import OffloadError
@@ -50,7 +49,7 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return parser
     add_higgs_args(parser, weight_hash_check=not _has_flag(parser, "--check-weight-hash-across-dp-replicas-interval"))
     g = parser.add_argument_group("higgs: checkpoints with a rank map (with --use-higgs)")
-    add_rank_map_args(g, async_help="write checkpoints in the background (Megatron-LM's --async-save)")
+    add_rank_map_args(g)
     add_stability_args(parser.add_argument_group("higgs: stability (with --use-higgs)"))
     add_offload_args(parser)
     return parser
@@ -105,28 +104,15 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
     if (args.save or args.load) and args.ckpt_format != "torch_dist":
         raise PatchUsageError(f"--ckpt-format {args.ckpt_format}: with --use-higgs, checkpoints carry a rank map, "
                               "which covers the torch_dist format; use --ckpt-format torch_dist")
-    version = args.checkpoint_version if args.checkpoint_version is not None else getattr(args, "ckpt_step", None)
-    if version is not None and args.checkpoint_version is None and version < 1:
-        raise PatchUsageError(f"--ckpt-step {version}: expected an iteration, 1 or more")
-    if args.checkpoint_version is not None:
-        if args.checkpoint_version < 1:
-            # Megatron-LM reads ckpt_step 0 as "not given" and would load the tracker's checkpoint.
-            raise PatchUsageError(f"--checkpoint-version {args.checkpoint_version}: expected an iteration, 1 or more")
-        if not args.load:
-            raise PatchUsageError("--checkpoint-version: needs --load DIR (the checkpoints to choose from)")
-        if getattr(args, "ckpt_step", None) not in (None, args.checkpoint_version):
-            raise PatchUsageError(f"--checkpoint-version {args.checkpoint_version} and --ckpt-step {args.ckpt_step} "
-                                  "disagree; give one")
-    if args.checkpoint_interval is not None:
-        if not (args.checkpoint_interval > 0 and math.isfinite(args.checkpoint_interval)):
-            raise PatchUsageError(f"--checkpoint-interval {args.checkpoint_interval}: expected a positive "
-                                  "number of seconds")
-        if not args.save:
-            raise PatchUsageError("--checkpoint-interval: needs --save DIR")
-    if args.async_checkpoint and not args.save:
-        raise PatchUsageError("--async-checkpoint: needs --save DIR")
-    if args.auto_resume and not args.save:
-        raise PatchUsageError("--auto-resume: needs --save DIR (the checkpoints to resume from)")
+    if args.checkpoint_version is None and getattr(args, "ckpt_step", None) is not None and args.ckpt_step < 1:
+        raise PatchUsageError(f"--ckpt-step {args.ckpt_step}: expected an iteration, 1 or more")
+    if args.checkpoint_version is not None and getattr(args, "ckpt_step", None) not in (None, args.checkpoint_version):
+        raise PatchUsageError(f"--checkpoint-version {args.checkpoint_version} and --ckpt-step {args.ckpt_step} "
+                              "disagree; give one")
+    try:
+        checkpoint_config_from_args(args)
+    except ValueError as error:
+        raise PatchUsageError(str(error)) from None
     try:
         faults = check_stability(args, getattr(args, "world_size", None), use_higgs=True)
     except ValueError as error:
