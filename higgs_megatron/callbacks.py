@@ -10,6 +10,7 @@ A user's own callback subclasses ``Callback`` and is passed to ``Trainer(args, c
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 
@@ -73,3 +74,15 @@ class WandbCallback(Callback):
 
     def close(self) -> None:
         self.run.finish()
+
+
+def callbacks_from_args(args: argparse.Namespace) -> list[Callback]:
+    """The callbacks the pretrain script's flags ask for (--tensorboard-dir, --wandb-project)."""
+    callbacks: list[Callback] = []
+    if args.tensorboard_dir:
+        callbacks.append(TensorBoardCallback(args.tensorboard_dir))
+    if args.wandb_project:
+        callbacks.append(WandbCallback(args.wandb_project, mode=args.wandb_mode, directory=args.wandb_dir,
+                                       config={k: v for k, v in vars(args).items()
+                                               if isinstance(v, (int, float, str, bool, type(None)))}))
+    return callbacks

@@ -126,7 +126,8 @@ def worker(flags: list[str], out: Path, repeats: int) -> None:
     import torch.distributed as dist
 
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     args = parse_args(MODEL + flags + ["--train-iters", "1000000"])
     with training_environment(args):

@@ -88,7 +88,8 @@ def train_variants(variants: dict[str, list[str]], ballast: dict | None = None) 
     """Each variant trained in turn in one set of process groups: final parameters, losses,
     the logging rank's JSONL records, and (with ``ballast``) the offload probe's readings."""
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     out = {"params": {}, "losses": {}, "records": {}, "readings": {}, "rank": int(os.environ["RANK"])}
     with training_environment(parse_args(next(iter(variants.values())))):

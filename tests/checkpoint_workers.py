@@ -11,7 +11,8 @@ def optimizer_state_both_ways(argv: list[str]) -> dict:
     from higgs_megatron.checkpoint.state import owner_written_optimizer_state
     from higgs_megatron.checkpoint.state import SHARDING
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     args = parse_args(argv + ["--train-iters", "2"])
     with training_environment(args):

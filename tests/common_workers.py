@@ -7,7 +7,7 @@ import torch
 
 def pretrain_on_rank(argv: list[str]):
     """Train with the pretrain script's flags; return this rank's history."""
-    from higgs_megatron.training.loop import pretrain
+    from higgs_megatron.training.launch import pretrain
 
     return pretrain(argv)
 
@@ -32,7 +32,8 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
     import json
 
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     parsed = {name: parse_args(argv) for name, argv in variants.items()}
     out = {"coords": None, "params": {}, "losses": {}, "valid_losses": {}, "alignments": {}, "events": {}, "exits": {}}
@@ -60,7 +61,8 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
     import higgs_megatron.reduce.sparse_allreduce as sparse_allreduce
     import megatron.core.pipeline_parallel.schedules as schedules
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     args = parse_args(argv)
     records, handed = [], []
@@ -147,7 +149,8 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
     from higgs_megatron.checkpoint import async_save
     from higgs_megatron.checkpoint.state import sharded_training_state
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     original_host_copies = async_save._host_copies
 

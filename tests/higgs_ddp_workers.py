@@ -43,7 +43,8 @@ def nan_on_one_rank(argv: list[str], bad_rank: int, bad_iteration: int) -> dict:
 
     from higgs_megatron.ddp import HiggsBucketGroup
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     args = parse_args(argv)
     with training_environment(args):
@@ -81,7 +82,8 @@ def resume_continuity(argv: list[str], split_at: int) -> dict:
     """Losses of an uninterrupted run vs one that saves state at ``split_at`` and resumes in a
     freshly built trainer (state_dict -> load_state_dict, same layout)."""
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     args = parse_args(argv)
     with training_environment(args):

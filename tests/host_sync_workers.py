@@ -16,7 +16,8 @@ def host_syncs_in_gradient_path(argv: list[str]) -> dict:
     from higgs_megatron.ddp import HiggsBucketGroup, HiggsDDP
     from higgs_megatron.host_sync import HostSyncAudit
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     args = parse_args(argv)
     audit = HostSyncAudit("higgs_megatron")

@@ -8,16 +8,15 @@ import sys
 import types
 
 from higgs_megatron.callbacks import Callback, WandbCallback
-from higgs_megatron.training.loop import _Window
-from higgs_megatron.training.metrics import MetricsLogger
+from higgs_megatron.training.metrics import LogWindow, MetricsLogger
 
 
 def test_window_leaves_validation_and_save_time_out_of_step_time(monkeypatch):
-    import higgs_megatron.training.loop as loop
+    import higgs_megatron.training.metrics as metrics
 
     clock = [100.0]  # a clock the test moves: no sleeping, no timing noise
-    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
-    window = _Window()
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    window = LogWindow()
     for _ in range(4):
         clock[0] += 0.01
         window.add(10, 20, 0.0, 0.5)

@@ -35,7 +35,8 @@ def auto_sync_choices(variants: dict[str, list[str]]) -> dict:
     """Train each variant; report what ``--higgs-sync auto`` chose, the bytes the steps handed
     to collectives against dense, and the final parameters."""
     from higgs_megatron.training.arguments import parse_args
-    from higgs_megatron.training.loop import Trainer, training_environment
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
 
     parsed = {name: parse_args(argv) for name, argv in variants.items()}
     out = {"params": {}, "reports": {}, "sources": {}, "traffic": {}}

@@ -15,12 +15,10 @@ constructor, so the loop itself does not change.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,7 +28,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import check_param_hashes_across_dp_replicas, get_model_config
 
-from ..callbacks import Callback, TensorBoardCallback, WandbCallback
+from ..callbacks import Callback, callbacks_from_args
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.async_save import AsyncCheckpointer
@@ -38,23 +36,20 @@ from ..checkpoint.interval import WallClockInterval
 from ..checkpoint.save import SaveResult, save_checkpoint
 from ..checkpoint.state import TrainingState
 from ..optimizer import torch_optimizers
-from ..cpu import cpu_megatron
 from ..ddp import HiggsDDP, sync_traffic
 from ..device import collective_device, model_device, to_device
 from ..logs import get_logger, setup_logging
 from ..memory import MemoryManager, make_probe
-from ..memory.flags import apply_block_allocator
 from ..optimizer import wrap_optimizer
 from ..stability.exit_conditions import ExitConditions
 from ..stability.flags import restart_timeout
-from ..stability.regroup import RESTART_EXIT_CODE, peer_lost, prepare_backend
-from .arguments import UsageError, parse_args, report_usage_error
-from .corpus import DataPathError, build_corpus, find_text_files
+from .arguments import UsageError
+from .corpus import build_corpus
 from .data import Batch, build_datasets, iteration_batches
 from .length_buckets import LengthBuckets
-from .metrics import MetricsLogger
+from .metrics import LogWindow, MetricsLogger
 from .model import build_model, build_optimizer, build_scheduler, num_parameters, transformer_config
-from .parallel import destroy_parallel, init_parallel, local_world_size, set_seeds
+from .parallel import set_seeds
 from .resilience import Resilience
 
 
@@ -101,7 +96,7 @@ class Trainer:
         self.rank = dist.get_rank()
         is_writer = self.rank == dist.get_world_size() - 1
         self.log = MetricsLogger(is_writer=is_writer, log_json=args.log_json,
-                                 callbacks=(_callbacks_from_args(args) if is_writer else []) + list(callbacks or []))
+                                 callbacks=(callbacks_from_args(args) if is_writer else []) + list(callbacks or []))
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
@@ -381,7 +376,7 @@ class Trainer:
         args = self.args
         result = TrainResult()
         skipped = 0
-        window = _Window()
+        window = LogWindow()
         while self.iteration < args.train_iters:
             started = time.perf_counter()
             ok, loss, grad_norm = self.train_step()
@@ -422,7 +417,7 @@ class Trainer:
                     fields["compression time (ms)"] = compress_seconds * 1000.0
                 fields["number of skipped iterations"] = skipped
                 self.log.iteration(self.iteration, args.train_iters, fields)
-                window = _Window()
+                window = LogWindow()
             if args.eval_iters > 0 and (self.iteration % args.eval_interval == 0
                                         or self.iteration == args.train_iters):
                 paused = time.perf_counter()
@@ -500,121 +495,4 @@ class Trainer:
         self.log.close()
 
 
-class _Window:
-    """Step time (validation and saves excluded) and traffic since the last log line; traffic
-    averaged over all ranks."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.excluded = 0.0  # validation and checkpoint time inside the window
-        self.iterations = 0
-        self.totals = [0.0, 0.0, 0.0]  # on the host: a device tensor is made only at log lines
-        self.density = 1.0
-        self.tokens = 0
-
-    def add(self, sent: int, dense: int, compress_seconds: float, density: float, tokens: int = 0) -> None:
-        self.iterations += 1
-        self.tokens += tokens
-        self.totals = [total + value for total, value in zip(self.totals, (sent, dense, compress_seconds))]
-        self.density = density
-
-    def seconds_per_iteration(self) -> float:
-        return (time.perf_counter() - self.started - self.excluded) / max(1, self.iterations)
-
-    def per_rank_per_step(self) -> list[float]:
-        """A collective over the default group: every rank logs at the same iterations."""
-        totals = torch.tensor(self.totals, dtype=torch.float64, device=collective_device())
-        dist.all_reduce(totals)
-        return (totals / (dist.get_world_size() * max(1, self.iterations))).tolist()
-
-
-def _callbacks_from_args(args: argparse.Namespace) -> list[Callback]:
-    callbacks: list[Callback] = []
-    if args.tensorboard_dir:
-        callbacks.append(TensorBoardCallback(args.tensorboard_dir))
-    if args.wandb_project:
-        callbacks.append(WandbCallback(args.wandb_project, mode=args.wandb_mode, directory=args.wandb_dir,
-                                       config={k: v for k, v in vars(args).items()
-                                               if isinstance(v, (int, float, str, bool, type(None)))}))
-    return callbacks
-
-
-def _default_threads() -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, local_world_size()))
-
-
-def check_data_path(args: argparse.Namespace) -> None:
-    """A user's data path must name non-empty text; checked before any process group exists."""
-    if args.data_path is not None:
-        try:
-            find_text_files(args.data_path, args.data_cache_path)
-        except DataPathError as error:
-            raise UsageError(str(error)) from None
-
-
-@contextlib.contextmanager
-def training_environment(args: argparse.Namespace) -> Iterator[None]:
-    """Threads, the CPU scope when running on gloo without CUDA, and the process groups."""
-    # Megatron's TP overlap assumes one device work queue; Megatron-LM's launch scripts set it too.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if not torch.cuda.is_available():
-        torch.set_num_threads(args.num_threads or _default_threads())
-    apply_block_allocator(getattr(args, "higgs_block_allocator", "off"))  # before the first allocation
-    scope = cpu_megatron() if not torch.cuda.is_available() else contextlib.nullcontext()
-    if getattr(args, "higgs_step_timeout", None) is not None:
-        prepare_backend(args.distributed_backend)
-    with scope:
-        init_parallel(args.distributed_backend, args.tensor_model_parallel_size,
-                      args.pipeline_model_parallel_size, args.distributed_timeout_minutes)
-        try:
-            yield
-        finally:
-            destroy_parallel()
-
-
-def run(args: argparse.Namespace, **trainer_kwargs) -> TrainResult:
-    """Train with already-validated args inside the training environment."""
-    with training_environment(args):
-        trainer = Trainer(args, **trainer_kwargs)
-        try:
-            return trainer.train()
-        finally:
-            trainer.close()
-
-
-def pretrain(argv: Sequence[str] | None = None, **trainer_kwargs) -> TrainResult:
-    """Parse and validate ``argv`` for this launch, then train; raises UsageError on bad input."""
-    args = parse_args(argv)
-    check_data_path(args)
-    return run(args, **trainer_kwargs)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse, validate, train. Bad input: one message, exit status 2."""
-    setup_logging()
-    try:
-        pretrain(argv)
-    except UsageError as error:
-        report_usage_error(error)
-        return error.code
-    except CheckpointError as error:
-        if dist_rank_or_launcher() == 0:
-            log.error(f"checkpoint error: {error}")
-        return EXIT_CHECKPOINT
-    except RuntimeError as error:
-        if not peer_lost(error):
-            raise
-        log.error(f"[rank {dist_rank_or_launcher()}] a peer rank is gone ({str(error).splitlines()[0][:200]}); "
-                  f"exiting with status {EXIT_PEER_LOST} so that torchrun --max-restarts restarts the job "
-                  "(with --auto-resume it resumes from the latest committed checkpoint)")
-        return EXIT_PEER_LOST
-    return 0
-
-
-EXIT_CHECKPOINT = 3
 FAILED_SAVES_TO_STOP = 2  # failed saves in a row that end the run
-EXIT_PEER_LOST = RESTART_EXIT_CODE
-
-
-def dist_rank_or_launcher() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))

@@ -16,7 +16,11 @@ import threading
 import time
 from typing import Any, TextIO
 
+import torch
+import torch.distributed as dist
+
 from ..callbacks import Callback
+from ..device import collective_device
 from ..logs import get_logger, setup_logging
 
 log = get_logger(__name__)
@@ -93,3 +97,31 @@ class MetricsLogger:
 def _json_keys(fields: dict[str, Any]) -> dict[str, Any]:
     return {key.replace(" ", "_").replace("(", "").replace(")", "").replace("/", "_per_"): value
             for key, value in fields.items()}
+
+
+class LogWindow:
+    """Step time (validation and saves excluded) and traffic since the last log line; traffic
+    averaged over all ranks."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.excluded = 0.0  # validation and checkpoint time inside the window
+        self.iterations = 0
+        self.totals = [0.0, 0.0, 0.0]  # on the host: a device tensor is made only at log lines
+        self.density = 1.0
+        self.tokens = 0
+
+    def add(self, sent: int, dense: int, compress_seconds: float, density: float, tokens: int = 0) -> None:
+        self.iterations += 1
+        self.tokens += tokens
+        self.totals = [total + value for total, value in zip(self.totals, (sent, dense, compress_seconds))]
+        self.density = density
+
+    def seconds_per_iteration(self) -> float:
+        return (time.perf_counter() - self.started - self.excluded) / max(1, self.iterations)
+
+    def per_rank_per_step(self) -> list[float]:
+        """A collective over the default group: every rank logs at the same iterations."""
+        totals = torch.tensor(self.totals, dtype=torch.float64, device=collective_device())
+        dist.all_reduce(totals)
+        return (totals / (dist.get_world_size() * max(1, self.iterations))).tolist()
