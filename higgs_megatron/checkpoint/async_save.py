@@ -31,10 +31,8 @@ synchronous save.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
-from typing import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -46,14 +44,13 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from ..device import HostCopy, request_event
 from .manifest import CheckpointError
 from .save import (PendingCheckpoint, SaveResult, begin, commit, common_files, crc32_skipped, first_line,
-                   hash_files, pending_checkpoint, shard_files)
+                   hash_files, pending_checkpoint, shard_files, thread_results_queue)
 from .state import TrainingState, shard_records, sharded_training_state
 
 
@@ -125,21 +122,6 @@ def _host_copies(write_buckets: list, live: set[int], requested, device: int | N
     return copy, copied_plan
 
 
-@contextlib.contextmanager
-def _results_queue(results: queue.Queue) -> Iterator[None]:
-    """megatron-core's writer takes its results queue from a module global, made on first use as
-    a queue of a spawned ``multiprocessing`` manager: a process start and its imports, seconds
-    on every launch and restart of a job. Our writer is a thread, so a thread queue serves; it
-    is put in place only while the save is planned (the writer keeps its own reference), so
-    megatron-core's process-based saves elsewhere still get theirs."""
-    previous = filesystem_async._results_queue
-    filesystem_async._results_queue = results
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = previous
-
-
 class AsyncCheckpointer:
     """See the module docstring."""
 
@@ -164,7 +146,7 @@ class AsyncCheckpointer:
         shards = shard_records(state)
         live = {v.data.data_ptr() for v in nested_values(state)
                 if isinstance(v, ShardedBase) and isinstance(getattr(v, "data", None), torch.Tensor)}
-        with _results_queue(queue.Queue()):  # this save's own: a failed save leaves nothing for the next
+        with thread_results_queue():  # this save's own: a failed save leaves nothing for the next
             request = dist_checkpointing.save(state, str(snapshot.directory), sharded_strategy=self.strategy,
                                               validate_access_integrity=not self.validated, async_sharded_save=True)
         self.validated = True

@@ -30,6 +30,7 @@ removes it.
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import socket
 import threading
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from .. import __version__
 from .manifest import (MANIFEST_NAME, CheckpointError, FileRecord, Layout, Manifest, RankRecord, ShardRecord,
@@ -252,6 +254,26 @@ def crc32_skipped() -> Iterator[None]:
                 torch.serialization.set_crc32_options(_crc32_before)
 
 
+@contextmanager
+def thread_results_queue() -> Iterator[None]:
+    """A fresh thread queue for the results of one megatron-core save, planned inside this scope.
+
+    megatron-core's writer takes its results queue from a module global, made on first use as a
+    queue of a spawned ``multiprocessing`` manager: a process start and its imports, seconds on
+    the first save of every launch and restart of a job. Only the process that runs
+    ``write_preloaded_data_multiproc`` puts into that queue (its forked writers report through
+    a local queue), and for our saves that is the training process (a synchronous save) or a
+    thread of it (an asynchronous one), so a thread queue serves. It is in place only while the
+    save is planned (the writer keeps its own reference), so megatron-core's process-based saves
+    elsewhere still get theirs, and a failed save leaves nothing behind for the next."""
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
 def save_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: int | None = None) -> SaveResult:
     """Save ``training`` as a committed checkpoint, synchronously (see the module docstring)."""
     pending = begin(pending_checkpoint(training, save_dir, keep_last))
@@ -260,7 +282,7 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: in
     shards = shard_records(state)
     error, files = None, []
     try:
-        with crc32_skipped():
+        with crc32_skipped(), thread_results_queue():
             dist_checkpointing.save(state, str(pending.directory))
         files = hash_files(shard_files(rank, pending.directory) + common_files(rank, pending.directory))
     except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
