@@ -118,6 +118,38 @@ def test_reshard_restores_global_model_and_moments(tmp_path, save_layout, load_l
     assert resumed[-1]["start"] == 3 and losses[-1] < losses[0] + 0.5
 
 
+@pytest.mark.parametrize("optimizer", [pytest.param([], id="adam"),
+                                       pytest.param(["--use-distributed-optimizer"], id="distopt")])
+def test_reshard_across_a_vocabulary_padding_change(tmp_path, optimizer, tiny_gpt_args):
+    """TP=2 pads the vocabulary to 512 rows with the default divisor, TP=1 to 384: the reshard
+    keeps every real row of the model and the Adam moments bitwise, and training goes on."""
+    from higgs_megatron.training.corpus import ByteTokenizer
+
+    vocab = ByteTokenizer().vocab_size
+    base = tiny_gpt_args + ["--eval-iters", "0", "--lr-decay-iters", "8", "--lr-warmup-iters", "1",
+                            "--global-batch-size", "8"] + optimizer
+    saved = run_ranks(run_trainer, 2, args=(base + ["--tensor-model-parallel-size", "2", "--train-iters", "3",
+                                                    "--save", str(tmp_path)],))
+    assert Manifest.read(tmp_path / "iter_0000003").vocab == {
+        "vocab_size": vocab, "make_vocab_size_divisible_by": 128, "padded_vocab_size": 512}
+    with pytest.raises(RankFailure, match=r"padded vocabulary: checkpoint 512 rows, now 384 .*"
+                                          r"--make-vocab-size-divisible-by 256 would keep 512"):
+        run_ranks(run_trainer, 2, args=(base + ["--train-iters", "4", "--load", str(tmp_path)],))
+    resumed = run_ranks(run_trainer, 2, args=(base + ["--train-iters", "8", "--load", str(tmp_path),
+                                                      "--recovery-mode", "reshard"],))
+    before, after = _global(saved, "final"), _global(resumed, "after_load")
+    padded = [k for k in before if k.endswith("word_embeddings.weight")]
+    assert {"embedding.word_embeddings.weight", "optimizer.state.exp_avg.embedding.word_embeddings.weight",
+            "optimizer.state.exp_avg_sq.embedding.word_embeddings.weight"} <= set(padded)
+    assert {tuple(before[k].shape) for k in padded} == {(512, 64)} and {tuple(after[k].shape) for k in padded} == {(384, 64)}
+    assert before.keys() == after.keys()
+    for key in before:  # the model, the moments (and the distributed optimizer's main parameters)
+        rows = vocab if key in padded else None
+        assert torch.equal(before[key][:rows], after[key][:rows]), key
+    losses = [resumed[-1]["losses"][i] for i in sorted(resumed[-1]["losses"])]
+    assert resumed[-1]["start"] == 3 and losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("world_size,layout", [
     pytest.param(2, [], id="dp2"),
     pytest.param(4, ["--tensor-model-parallel-size", "2"], id="tp2xdp2"),
@@ -159,6 +191,48 @@ def test_flipped_byte_is_detected_and_named(tmp_path, tiny_gpt_args):
     shard.write_bytes(bytes(data))
     with pytest.raises(RankFailure, match=r"__1_0.distcp: SHA-256 does not match the rank map \(written by rank 1\)"):
         run_ranks(run_trainer, 2, args=(base + ["--load", str(tmp_path)],))
+
+
+def test_the_checkpoint_tool_inspects_verifies_and_plans_offline(tmp_path, tiny_gpt_args, capsys):
+    from higgs_megatron.cli import main as cli
+
+    base = tiny_gpt_args + ["--eval-iters", "0", "--tensor-model-parallel-size", "2", "--save", str(tmp_path)]
+    run_ranks(run_trainer, 2, args=(base + ["--train-iters", "2", "--save-interval", "1"],))
+    (tmp_path / "iter_0000009.tmp").mkdir()  # what a crash mid-save leaves
+    capsys.readouterr()
+
+    assert cli(["checkpoint", "inspect", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [c["iteration"] for c in report["checkpoints"]] == [1, 2] and report["pointers"] == {"latest": "2"}
+    assert report["uncommitted"] == ["iter_0000009.tmp"]
+    newest = report["checkpoints"][-1]
+    assert newest["layout"]["tensor_model_parallel_size"] == 2 and newest["consumed_samples"] == 8
+    assert [r["bytes"] > 0 for r in newest["ranks"]] == [True, True] and newest["vocab"]["padded_vocab_size"] == 512
+
+    assert cli(["checkpoint", "verify", str(tmp_path)]) == 0
+    files = sum(len(r.files) for r in Manifest.read(tmp_path / "iter_0000002").ranks)
+    assert f"all {files} files match the rank map" in capsys.readouterr().out
+    shard = tmp_path / "iter_0000002" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
+    (tmp_path / "iter_0000002" / "__0_0.distcp").unlink()
+    assert cli(["checkpoint", "verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "__0_0.distcp: missing (written by rank 0)" in out
+    assert "__1_0.distcp: SHA-256 does not match the rank map (written by rank 1)" in out
+    assert cli(["checkpoint", "verify", str(tmp_path), "--version", "1"]) == 0
+
+    target = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--data-parallel-size", "2"]
+    assert cli(["checkpoint", "plan", str(tmp_path), *target, "--recovery-mode", "same-sharding"]) == 1
+    out = capsys.readouterr().out
+    assert "tensor-model-parallel size: checkpoint 2, now 1" in out and "data-parallel size: checkpoint 1, now 2" in out
+    assert "--recovery-mode same-sharding: refused" in out and "--recovery-mode reshard: loads" in out
+    assert "embedding.word_embeddings.weight: 512 rows in the checkpoint, 384 at the target" in out
+    assert "--make-vocab-size-divisible-by 256 keeps 512" in out and "resets: RNG states" in out
+    assert cli(["checkpoint", "plan", str(tmp_path), *target, "--make-vocab-size-divisible-by", "256", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["reshaped"] == [] and plan["reshard"] and not plan["same_sharding"]
+    assert cli(["checkpoint", "plan", str(tmp_path), *target[:4], "--data-parallel-size", "0"]) == 2
+    assert cli(["checkpoint", "inspect", str(tmp_path / "nowhere")]) == 2
 
 
 @pytest.mark.parametrize("mode", [pytest.param([], id="sync"), pytest.param(["--async-checkpoint"], id="async")])

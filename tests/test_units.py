@@ -54,6 +54,32 @@ def test_coverage_needs_every_element_tiled_and_the_same_global_shape():
     assert uncovered_shards(_manifest(halves), [ShardRecord("b", [4], [0], [4])]) == ["b: not in the checkpoint"]
 
 
+def test_vocabulary_padding_rows_are_clipped_to_what_both_shapes_hold():
+    from higgs_megatron.checkpoint.validation import vocab_differences
+    from higgs_megatron.checkpoint.vocab import VocabPadding, padded_rows, vocab_record
+
+    assert [padded_rows(257, 128, tp) for tp in (1, 2, 4)] == [384, 512, 512]
+    assert VocabPadding(257, 512, 128).divisor_keeping(1) == 256
+    assert VocabPadding(257, 384, 128).divisor_keeping(2) == 192  # the smallest not below the saved divisor
+    assert VocabPadding(257, 384, 128).divisor_keeping(4) is None  # 384 rows at TP=4 need a divisor of 96
+    key = "optimizer.state.exp_avg.embedding.word_embeddings.weight"
+    saved = _manifest([[ShardRecord(key, [512, 8], [0, 0], [256, 8])], [ShardRecord(key, [512, 8], [256, 0], [256, 8])]])
+    # TP=1 needs 384 rows, TP=4 (divisor 64) needs 256 per rank of 1024: past 512, nothing is read
+    assert uncovered_shards(saved, [ShardRecord(key, [384, 8], [0, 0], [384, 8])]) == []
+    assert uncovered_shards(saved, [ShardRecord(key, [1024, 8], [768, 0], [256, 8])]) == []
+    assert uncovered_shards(saved, [ShardRecord(key, [384, 16], [0, 0], [384, 16])]) == [
+        f"{key}: global shape [512, 8] in the checkpoint, [384, 16] now"]
+    other = "decoder.final_layernorm.weight"
+    assert uncovered_shards(_manifest([[ShardRecord(other, [8], [0], [8])]]), [ShardRecord(other, [4], [0], [4])])
+    assert vocab_differences(vocab_record(257, 128, 2), vocab_record(257, 128, 1), 1) == [
+        "padded vocabulary: checkpoint 512 rows, now 384 (--make-vocab-size-divisible-by 128; "
+        "--make-vocab-size-divisible-by 256 would keep 512)"]
+    assert vocab_differences(vocab_record(257, 128, 2), vocab_record(257, 256, 1), 1) == []
+    assert vocab_differences(None, vocab_record(257, 128, 1), 1) == []
+    with pytest.raises(CheckpointError, match="vocabulary size: checkpoint 257, now 300"):
+        vocab_differences(vocab_record(257, 128, 2), vocab_record(300, 128, 2), 2)
+
+
 def test_the_rank_map_round_trips_and_refuses_malformed_or_future_files():
     manifest = _manifest([[ShardRecord("w", [4], [0], [4])], []])
     assert Manifest.from_json(manifest.to_json()) == manifest

@@ -95,7 +95,7 @@ def load_checkpoint(training: TrainingState, load_dir: str | Path, recovery_mode
         return None
     manifest = Manifest.read(path)
     differences = check_layout(path, manifest.layout, current_layout(training.use_distributed_optimizer),
-                               recovery_mode)
+                               recovery_mode, manifest.vocab, training.vocab)
     resharded = bool(differences)
     prepare_fresh_optimizer_for_load(training.optimizer)
     state = sharded_training_state(training, is_loading=True, per_rank=not resharded)

@@ -10,9 +10,11 @@ Schema (version 1)::
                 "files": [{"path": "__0_0.distcp", "sha256": "...", "bytes": 123}],
                 "shards": [{"key": "decoder.layers.0.mlp.linear_fc1.weight",
                             "global_shape": [256, 64], "global_offset": [0, 0], "local_shape": [128, 64]}]}],
-     "higgs": {...} | null, "versions": {"higgs_megatron": "...", "megatron_core": "...", "torch": "..."}}
+     "higgs": {...} | null, "versions": {"higgs_megatron": "...", "megatron_core": "...", "torch": "..."},
+     "vocab": {"vocab_size": 257, "make_vocab_size_divisible_by": 128, "padded_vocab_size": 384} | null}
 
-Files are named relative to the checkpoint directory. ``shards`` lists the tensor shards a
+``vocab`` (absent from older rank maps, read as null) is the true vocabulary size behind the
+padded embedding rows (``vocab.py``). Files are named relative to the checkpoint directory. ``shards`` lists the tensor shards a
 rank saved as the main replica (replicas are not written twice), so over all ranks they
 tile every saved tensor exactly once.
 """
@@ -78,6 +80,7 @@ class Manifest:
     versions: dict[str, str]
     created: str
     schema_version: int = SCHEMA_VERSION
+    vocab: dict | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -97,7 +100,8 @@ class Manifest:
                                 shards=[ShardRecord(**s) for s in r["shards"]]) for r in raw["ranks"]]
             return cls(iteration=raw["iteration"], consumed_samples=raw["consumed_samples"],
                        layout=Layout(**raw["layout"]), ranks=ranks, higgs=raw.get("higgs"),
-                       versions=raw["versions"], created=raw["created"], schema_version=version)
+                       versions=raw["versions"], created=raw["created"], schema_version=version,
+                       vocab=raw.get("vocab"))
         except (KeyError, TypeError) as error:
             raise CheckpointError(f"{source}: missing or malformed field ({error})") from None
 

@@ -55,6 +55,7 @@ from .manifest import (MANIFEST_NAME, CheckpointError, FileRecord, Layout, Manif
 from .state import TrainingState, shard_records, sharded_training_state
 
 LATEST = "latest"
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's pointer
 COMMON_FILES = (".metadata", "common.pt", "metadata.json")
 
 
@@ -138,6 +139,7 @@ class PendingCheckpoint:
     """True: the files are written into ``iter_NNNNNNN`` itself and someone else moves the
     pointer (Megatron-LM); False: into ``iter_NNNNNNN.tmp``, renamed at the commit."""
     started: float = 0.0
+    vocab: dict | None = None  # vocab.vocab_record: the true size behind the padded rows
 
     @property
     def final(self) -> Path:
@@ -178,7 +180,7 @@ def commit(pending: PendingCheckpoint, shards: list[ShardRecord], files: list[Fi
             iteration=pending.iteration, consumed_samples=pending.consumed_samples, layout=pending.layout,
             ranks=[r for r, _ in gathered], higgs=pending.higgs,
             versions={"higgs_megatron": __version__, "megatron_core": megatron_core_version(), "torch": torch.__version__},
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"), vocab=pending.vocab,
         ).write(pending.directory)
         if not pending.in_place:
             if pending.final.exists():
@@ -216,7 +218,7 @@ def pending_checkpoint(training: TrainingState, save_dir: str | Path, keep_last:
     """The rank map's view of ``training`` now, for a save into ``save_dir``."""
     return PendingCheckpoint(iteration=training.iteration, consumed_samples=training.consumed_samples,
                              layout=current_layout(training.use_distributed_optimizer), higgs=training.higgs,
-                             save_dir=Path(save_dir), keep_last=keep_last)
+                             save_dir=Path(save_dir), keep_last=keep_last, vocab=training.vocab)
 
 
 _crc32_lock = threading.Lock()

@@ -62,6 +62,7 @@ class TrainingState:
     consumed_samples: int
     use_distributed_optimizer: bool
     higgs: dict | None = None  # the HiggsConfig, as the rank map records it; None without --use-higgs
+    vocab: dict | None = None  # vocab.vocab_record: the true vocabulary size behind the padded rows
 
 
 def prepare_fresh_optimizer_for_load(optimizer) -> None:

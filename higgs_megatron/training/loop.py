@@ -35,6 +35,7 @@ from ..checkpoint.async_save import AsyncCheckpointer
 from ..checkpoint.interval import WallClockInterval
 from ..checkpoint.save import SaveResult, save_checkpoint
 from ..checkpoint.state import TrainingState
+from ..checkpoint.vocab import vocab_record
 from ..optimizer import torch_optimizers
 from ..ddp import HiggsDDP, sync_traffic
 from ..device import collective_device, model_device, to_device
@@ -44,7 +45,7 @@ from ..optimizer import wrap_optimizer
 from ..stability.exit_conditions import ExitConditions
 from ..stability.flags import restart_timeout
 from .arguments import UsageError
-from .corpus import build_corpus
+from .corpus import ByteTokenizer, build_corpus
 from .data import Batch, build_datasets, iteration_batches
 from .length_buckets import LengthBuckets
 from .metrics import LogWindow, MetricsLogger
@@ -194,7 +195,9 @@ class Trainer:
         return TrainingState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                              iteration=self.iteration, consumed_samples=self.consumed_samples,
                              use_distributed_optimizer=self.args.use_distributed_optimizer,
-                             higgs=self.args.higgs_config.to_dict() if self.args.use_higgs else None)
+                             higgs=self.args.higgs_config.to_dict() if self.args.use_higgs else None,
+                             vocab=vocab_record(ByteTokenizer().vocab_size, self.args.make_vocab_size_divisible_by,
+                                                self.args.tensor_model_parallel_size))
 
     def _load(self) -> None:
         args = self.args

@@ -9,7 +9,6 @@ Transformer Engine's when ``--transformer-impl transformer_engine``, else the lo
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Type
 
 import torch
@@ -23,13 +22,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
+from ..checkpoint.vocab import padded_rows
 from .corpus import ByteTokenizer
 
 
 def padded_vocab_size(args: argparse.Namespace) -> int:
     """Megatron-LM's rule: pad the vocabulary to a multiple of divisible-by x TP."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return int(math.ceil(ByteTokenizer().vocab_size / multiple) * multiple)
+    return padded_rows(ByteTokenizer().vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:

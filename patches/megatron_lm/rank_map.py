@@ -44,19 +44,31 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from higgs_megatron import HiggsConfig
-from higgs_megatron.checkpoint.save import (PendingCheckpoint, commit, common_files, current_layout, hash_files,
-                                            shard_files)
+from higgs_megatron.checkpoint.save import (MEGATRON_LM_TRACKER, PendingCheckpoint, commit, common_files,
+                                            current_layout, hash_files, shard_files)
 from higgs_megatron.checkpoint.load import agree, choose_checkpoint
 from higgs_megatron.checkpoint.manifest import Manifest
 from higgs_megatron.checkpoint.state import owner_written_optimizer_state
 from higgs_megatron.checkpoint.state import (prepare_fresh_optimizer_for_load, shard_records, tolerate_torch_adam_step,
                                              untie_adam_steps)
 from higgs_megatron.checkpoint.validation import check_layout, uncovered_shards, verify_files
+from higgs_megatron.checkpoint.vocab import vocab_record
 from higgs_megatron.logs import get_logger, log_single_rank
 
 log = get_logger("higgs_megatron.patches.rank_map")
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = MEGATRON_LM_TRACKER
+
+
+def megatron_lm_vocab(args: Any) -> dict | None:
+    """The true vocabulary size behind Megatron-LM's ``padded_vocab_size``: its tokenizer's."""
+    from megatron.training.global_vars import get_tokenizer
+
+    try:
+        vocab_size = get_tokenizer().vocab_size
+    except (AssertionError, AttributeError, NotImplementedError):  # no tokenizer built
+        return None
+    return vocab_record(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
 class PendingRankMap:
@@ -103,7 +115,7 @@ class RankMapHooks:
         self.pending = PendingRankMap(PendingCheckpoint(
             iteration=int(iteration), consumed_samples=int(getattr(a, "consumed_train_samples", 0)),
             layout=current_layout(a.use_distributed_optimizer), higgs=self.config.to_dict(), save_dir=Path(a.save),
-            in_place=True, started=time.perf_counter()))
+            in_place=True, started=time.perf_counter(), vocab=megatron_lm_vocab(a)))
         with owner_written_optimizer_state():
             result = original(iteration, *args, **kwargs)
         if not a.async_save:
@@ -142,7 +154,7 @@ class RankMapHooks:
             log_single_rank(log, logging.WARNING, f" [higgs] warning: {warning}")
         manifest = Manifest.read(path)
         differences = check_layout(path, manifest.layout, current_layout(a.use_distributed_optimizer),
-                                   a.recovery_mode)
+                                   a.recovery_mode, manifest.vocab, megatron_lm_vocab(a))
         agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()),
               f"{path} failed its integrity check")
         a.ckpt_step = manifest.iteration

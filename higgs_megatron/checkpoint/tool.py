@@ -1,0 +1,211 @@
+"""Judge a checkpoint without launching a job: ``higgs-megatron checkpoint inspect|verify|plan``.
+
+Everything here reads the rank map and, for ``verify``, the files it names: no process group,
+no model, no tensor loaded. It serves checkpoints of both front-ends (our pretrain script's
+``latest`` pointer, Megatron-LM's ``latest_checkpointed_iteration.txt``).
+
+* ``inspect``: each committed checkpoint's iteration, consumed samples, layout, bytes per rank,
+  higgs config and versions; the pointers and what they name; any uncommitted directory.
+* ``verify``: every file's SHA-256 against the rank map, naming each bad or missing file and
+  the rank that wrote it.
+* ``plan``: would the checkpoint load at a given layout under ``same-sharding``, and under
+  ``reshard``? Every layout difference, every tensor the saved shards do not tile, every tensor
+  whose global shape the new layout changes (the vocabulary padding), and the per-rank state
+  that ``reshard`` resets by the written policy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .manifest import MANIFEST_NAME, CheckpointError, Layout, Manifest, ShardRecord
+from .save import LATEST, MEGATRON_LM_TRACKER, checkpoint_name, committed_checkpoints
+from .validation import layout_differences, uncovered_shards, verify_files
+from .vocab import VocabPadding, padding_changes
+
+
+def _pointers(save_dir: Path) -> dict[str, str]:
+    return {name: (save_dir / name).read_text().strip() for name in (LATEST, MEGATRON_LM_TRACKER)
+            if (save_dir / name).is_file()}
+
+
+def checkpoint_paths(directory: str | Path, version: int | None = None,
+                     every: bool = False) -> list[Path]:
+    """The committed checkpoints ``directory`` names: itself when it holds a rank map; else, in a
+    save directory, iteration ``version``, or every committed one (``every``), or the one a
+    resume would load (the pointer's when committed, else the newest)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such directory")
+    if (directory / MANIFEST_NAME).exists() or directory.name.startswith("iter_"):
+        Manifest.read(directory)  # a clear error when it was never committed
+        return [directory]
+    committed = committed_checkpoints(directory)
+    if version is not None:
+        if version not in committed:
+            raise CheckpointError(f"--version {version}: {directory / checkpoint_name(version)} is not a committed "
+                                  f"checkpoint (committed: {', '.join(map(str, committed)) or 'none'})")
+        return [directory / checkpoint_name(version)]
+    if not committed:
+        raise CheckpointError(f"{directory}: no committed checkpoint (no iter_* directory with a {MANIFEST_NAME})")
+    if every:
+        return [directory / checkpoint_name(i) for i in committed]
+    for text in _pointers(directory).values():
+        if text.isdigit() and int(text) in committed:
+            return [directory / checkpoint_name(int(text))]
+    return [directory / checkpoint_name(committed[-1])]
+
+
+def _layout_text(layout: Layout) -> str:
+    return (f"TP {layout.tensor_model_parallel_size} x PP {layout.pipeline_model_parallel_size} x "
+            f"DP {layout.data_parallel_size} (CP {layout.context_parallel_size}, EP {layout.expert_model_parallel_size}; "
+            f"world {layout.world_size}), distributed optimizer {'on' if layout.use_distributed_optimizer else 'off'}")
+
+
+def describe(path: Path) -> dict:
+    """One committed checkpoint as ``inspect`` reports it."""
+    manifest = Manifest.read(path)
+    ranks = [{"rank": r.rank, "host": r.host, "coords": r.coords, "files": len(r.files),
+              "bytes": sum(f.bytes for f in r.files)} for r in manifest.ranks]
+    return {"path": str(path), "iteration": manifest.iteration, "consumed_samples": manifest.consumed_samples,
+            "created": manifest.created, "layout": asdict(manifest.layout), "ranks": ranks,
+            "bytes": sum(r["bytes"] for r in ranks), "tensors": len({s.key for r in manifest.ranks for s in r.shards}),
+            "higgs": manifest.higgs, "vocab": manifest.vocab, "versions": manifest.versions}
+
+
+def inspect(directory: str | Path, version: int | None = None) -> dict:
+    """The committed checkpoints (all, or ``version``), pointers and uncommitted directories."""
+    directory = Path(directory)
+    paths = checkpoint_paths(directory, version, every=True)
+    save_dir = paths[0].parent if paths[0] != directory else directory.parent
+    uncommitted = sorted(p.name for p in save_dir.glob("iter_*")
+                         if p.is_dir() and (p.suffix == ".tmp" or not (p / MANIFEST_NAME).exists()))
+    return {"directory": str(save_dir), "pointers": _pointers(save_dir),
+            "checkpoints": [describe(p) for p in paths], "uncommitted": uncommitted}
+
+
+def verify(directory: str | Path, version: int | None = None) -> dict:
+    """SHA-256 of every file of the chosen checkpoint against its rank map."""
+    path = checkpoint_paths(directory, version)[0]
+    manifest = Manifest.read(path)
+    problems = verify_files(path, manifest, rank=0, world_size=1)
+    return {"path": str(path), "files": sum(len(r.files) for r in manifest.ranks), "problems": problems}
+
+
+@dataclass
+class Plan:
+    path: str
+    saved: dict
+    target: dict
+    differences: list[str]
+    same_sharding: bool
+    reshard: bool
+    reshard_problems: list[str] = field(default_factory=list)
+    reshaped: list[str] = field(default_factory=list)
+    resets: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _whole_tensors(manifest: Manifest) -> list[ShardRecord]:
+    shapes: dict[str, list[int]] = {}
+    for rank in manifest.ranks:
+        for shard in rank.shards:
+            shapes.setdefault(shard.key, shard.global_shape)
+    return [ShardRecord(key, shape, [0] * len(shape), list(shape)) for key, shape in sorted(shapes.items())]
+
+
+def _overlapping(manifest: Manifest) -> list[str]:
+    """Tensors whose saved shards hold more than the tensor's volume (shards written twice)."""
+    volume: dict[str, int] = {}
+    whole: dict[str, int] = {}
+    for rank in manifest.ranks:
+        for shard in rank.shards:
+            volume[shard.key] = volume.get(shard.key, 0) + math.prod(shard.local_shape)
+            whole[shard.key] = math.prod(shard.global_shape)
+    return [f"{key}: saved shards hold {volume[key]} elements of {whole[key]}" for key in sorted(volume)
+            if volume[key] > whole[key]]
+
+
+def plan(directory: str | Path, target: Layout, version: int | None = None,
+         divisible_by: int | None = None, vocab_size: int | None = None) -> Plan:
+    """Would the chosen checkpoint load at ``target``? ``divisible_by`` is the target's
+    ``--make-vocab-size-divisible-by`` (default: the saved one); ``vocab_size`` the true
+    vocabulary size, for a checkpoint whose rank map does not record it."""
+    path = checkpoint_paths(directory, version)[0]
+    manifest = Manifest.read(path)
+    saved = manifest.layout
+    differences = layout_differences(saved, target)
+    result = Plan(path=str(path), saved=asdict(saved), target=asdict(target), differences=differences,
+                  same_sharding=not differences, reshard=True)
+    model_parallel = (target.tensor_model_parallel_size * target.pipeline_model_parallel_size
+                      * target.context_parallel_size)
+    if target.world_size != model_parallel * target.data_parallel_size:
+        result.reshard_problems.append(f"world size {target.world_size} is not TP x PP x CP x DP = "
+                                       f"{model_parallel * target.data_parallel_size}")
+    result.reshard_problems += uncovered_shards(manifest, _whole_tensors(manifest)) + _overlapping(manifest)
+
+    padding = VocabPadding.of(manifest, vocab_size)
+    if padding is None:
+        result.notes.append("the rank map does not record the vocabulary size (a checkpoint from before it did): "
+                            "give --vocab-size to check the vocabulary padding")
+    else:
+        changes = padding_changes(manifest, padding, target.tensor_model_parallel_size, divisible_by)
+        result.reshaped = [change.describe() for change in changes]
+        if changes:
+            result.same_sharding = False
+            keeping = padding.divisor_keeping(target.tensor_model_parallel_size)
+            result.notes.append(f"the padded vocabulary changes from {changes[0].saved_rows} to "
+                                f"{changes[0].target_rows} rows; " + (
+                                    f"--make-vocab-size-divisible-by {keeping} keeps {changes[0].saved_rows}"
+                                    if keeping else "no --make-vocab-size-divisible-by keeps it at this TP"))
+    if differences:
+        result.resets.append("RNG states: reseeded from --seed plus the iteration")
+        if manifest.higgs is not None and manifest.higgs.get("error_feedback", True):
+            result.resets.append("error-feedback residuals: start from zero")
+    result.reshard = not result.reshard_problems
+    if not result.same_sharding and not differences:
+        result.differences = ["vocabulary padding (above)"]
+    return result
+
+
+def format_inspect(report: dict) -> str:
+    lines = [f"{report['directory']}"]
+    for name, text in report["pointers"].items():
+        lines.append(f"  pointer {name}: {text}")
+    for c in report["checkpoints"]:
+        layout = Layout(**c["layout"])
+        lines += [f"  {Path(c['path']).name}: iteration {c['iteration']}, consumed samples {c['consumed_samples']}, "
+                  f"created {c['created']}",
+                  f"    layout: {_layout_text(layout)}",
+                  f"    {c['tensors']} tensors, {c['bytes'] / 1e6:.2f} MB in all; per rank: " + ", ".join(
+                      f"{r['rank']} ({r['host']}, tp {r['coords'].get('tp', 0)} pp {r['coords'].get('pp', 0)} "
+                      f"dp {r['coords'].get('dp', 0)}): {r['files']} files {r['bytes'] / 1e6:.2f} MB" for r in c["ranks"]),
+                  "    higgs: " + (", ".join(f"{k}={v}" for k, v in c["higgs"].items()) if c["higgs"] else "off"),
+                  "    vocab: " + (", ".join(f"{k}={v}" for k, v in c["vocab"].items()) if c["vocab"] else "not recorded"),
+                  "    versions: " + ", ".join(f"{k} {v}" for k, v in c["versions"].items())]
+    lines.append("  uncommitted: " + (", ".join(report["uncommitted"]) or "none"))
+    return "\n".join(lines)
+
+
+def format_verify(report: dict) -> str:
+    if not report["problems"]:
+        return f"{report['path']}: all {report['files']} files match the rank map"
+    return "\n".join([f"{report['path']}: {len(report['problems'])} of {report['files']} files do not match "
+                      "the rank map:"] + [f"  {p}" for p in report["problems"]])
+
+
+def format_plan(result: Plan) -> str:
+    lines = [f"{result.path}",
+             f"  saved:  {_layout_text(Layout(**result.saved))}",
+             f"  target: {_layout_text(Layout(**result.target))}",
+             "  differences:" + (" none" if not result.differences else ""),
+             *[f"    {d}" for d in result.differences],
+             f"  --recovery-mode same-sharding: {'loads' if result.same_sharding else 'refused'}",
+             f"  --recovery-mode reshard: {'loads' if result.reshard else 'refused'}",
+             *[f"    cannot: {p}" for p in result.reshard_problems],
+             *[f"    reshaped: {r}" for r in result.reshaped],
+             *[f"    resets: {r}" for r in result.resets],
+             *[f"  note: {n}" for n in result.notes]]
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""The vocabulary padding: rows past the true vocabulary size that a TP change can move.
+
+Megatron pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by`` x TP, so the
+word embedding, an untied output layer, and their optimizer state change their global row
+count when TP changes (384 rows at TP=1 and 512 at TP=2 for a 257-token vocabulary with the
+default divisor 128). The rows past the true size are padding: no token id reaches them, so a
+reshard may trim them, or extend them with zeros, and leave every real row bitwise equal.
+The rank map records the true size (``Manifest.vocab``); for an older checkpoint it comes from
+the flags.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .manifest import Manifest
+
+VOCAB_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
+
+
+def padded_rows(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Megatron-LM's rule: the vocabulary padded to a multiple of divisible-by x TP."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def vocab_record(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> dict:
+    """What the rank map records (``Manifest.vocab``)."""
+    return {"vocab_size": vocab_size, "make_vocab_size_divisible_by": divisible_by,
+            "padded_vocab_size": padded_rows(vocab_size, divisible_by, tensor_model_parallel_size)}
+
+
+def is_vocab_key(key: str) -> bool:
+    """The word embedding, the output layer, and their optimizer state (same suffix)."""
+    return key.endswith(VOCAB_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class VocabPadding:
+    vocab_size: int
+    saved_rows: int
+    divisible_by: int | None  # the saved --make-vocab-size-divisible-by, when recorded
+
+    @classmethod
+    def of(cls, manifest: Manifest, vocab_size: int | None = None) -> "VocabPadding | None":
+        """From the rank map's record, or from ``vocab_size`` and the saved embedding's rows."""
+        if manifest.vocab:
+            return cls(manifest.vocab["vocab_size"], manifest.vocab["padded_vocab_size"],
+                       manifest.vocab["make_vocab_size_divisible_by"])
+        rows = {s.global_shape[0] for r in manifest.ranks for s in r.shards if is_vocab_key(s.key)}
+        if vocab_size is None or len(rows) != 1:
+            return None
+        return cls(vocab_size, rows.pop(), None)
+
+    def target_rows(self, tensor_model_parallel_size: int, divisible_by: int | None = None) -> int:
+        divisor = divisible_by or self.divisible_by or 128  # Megatron-LM's default
+        return padded_rows(self.vocab_size, divisor, tensor_model_parallel_size)
+
+    def divisor_keeping(self, tensor_model_parallel_size: int) -> int | None:
+        """The smallest ``--make-vocab-size-divisible-by`` (not below the saved one) that keeps
+        the saved padded size at this TP; None when none does."""
+        start = self.divisible_by or 1
+        for divisor in range(start, self.saved_rows // tensor_model_parallel_size + 1):
+            if padded_rows(self.vocab_size, divisor, tensor_model_parallel_size) == self.saved_rows:
+                return divisor
+        return None
+
+
+@dataclass(frozen=True)
+class PaddingChange:
+    key: str
+    saved_rows: int
+    target_rows: int
+    vocab_size: int
+
+    def describe(self) -> str:
+        how = "padding trimmed" if self.target_rows < self.saved_rows else "padding extended with zeros"
+        return (f"{self.key}: {self.saved_rows} rows in the checkpoint, {self.target_rows} at the target "
+                f"(the first {self.vocab_size} are the vocabulary; {how})")
+
+
+def padding_changes(manifest: Manifest, padding: VocabPadding, tensor_model_parallel_size: int,
+                    divisible_by: int | None = None) -> list[PaddingChange]:
+    """The saved tensors whose padded row count differs at the target TP (and divisor)."""
+    target = padding.target_rows(tensor_model_parallel_size, divisible_by)
+    if target == padding.saved_rows:
+        return []
+    keys = sorted({s.key for r in manifest.ranks for s in r.shards
+                   if is_vocab_key(s.key) and s.global_shape[0] == padding.saved_rows})
+    return [PaddingChange(key, padding.saved_rows, target, padding.vocab_size) for key in keys]
