@@ -148,9 +148,14 @@ def test_save_and_resume_continue_the_straight_run(tmp_path, saving):
 
 
 @pytest.mark.parametrize("saved", ["tp2", "pp2"])
-def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, saved):
+def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, saved, capsys):
+    """tp2: a 301-token vocabulary pads to 512 rows at TP=2 and to 384 at TP=1 (the default
+    divisor): the reshard keeps every real row; the checkpoint tool plans it first."""
+    from higgs_megatron.cli import main as cli
+
     flag = "--tensor-model-parallel-size" if saved == "tp2" else "--pipeline-model-parallel-size"
     common = ["--use-higgs", "--higgs-sync", "sparse", "--use-distributed-optimizer"]
+    common += ["--vocab-size", "300"] if saved == "tp2" else []
     megatron_lm(2, *common, flag, "2", "--save", str(tmp_path / "a"), "--save-interval", "3")
 
     refused = megatron_lm(2, *common, "--load", str(tmp_path / "a"), expect_ok=False)
@@ -159,6 +164,15 @@ def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, 
     assert ("--recovery-mode same-sharding refuses to load it" in refused.stderr
             and f"{size}-model-parallel size: checkpoint 2, now 1" in refused.stderr
             and "data-parallel size: checkpoint 1, now 2" in refused.stderr), refused.stderr[-3000:]
+    capsys.readouterr()
+    assert cli(["checkpoint", "plan", str(tmp_path / "a"), "--tensor-model-parallel-size", "1",
+                "--pipeline-model-parallel-size", "1", "--data-parallel-size", "2", "--recovery-mode", "reshard"]) == 0
+    plan = capsys.readouterr().out
+    assert "--recovery-mode reshard: loads" in plan and "--recovery-mode same-sharding: refused" in plan
+    if saved == "tp2":
+        assert "padded vocabulary: checkpoint 512 rows, now 384" in refused.stderr
+        assert "--make-vocab-size-divisible-by 256 would keep 512" in refused.stderr
+        assert "embedding.word_embeddings.weight: 512 rows in the checkpoint, 384 at the target" in plan
 
     # Loaded at DP=2 and saved again before any step: the same global tensors, model and optimizer.
     again = megatron_lm(2, *common, "--load", str(tmp_path / "a"), "--checkpoint-version", "3",
@@ -170,7 +184,11 @@ def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, 
     compared = [key for key in a if key.startswith(("decoder.", "embedding.", "output_layer.", "optimizer.state."))]
     assert any(key.startswith("optimizer.state.exp_avg") for key in compared)
     for key in compared:
-        assert torch.equal(a[key], b[key]), key
+        rows = 301 if key.endswith(("word_embeddings.weight", "output_layer.weight")) else None
+        assert torch.equal(a[key][:rows], b[key][:rows]), key
+    if saved == "tp2":
+        assert a["embedding.word_embeddings.weight"].shape[0] == 512
+        assert b["embedding.word_embeddings.weight"].shape[0] == 384
 
     continued = megatron_lm(2, *common, "--load", str(tmp_path / "a"), "--checkpoint-version", "3",
                             "--recovery-mode", "reshard").stdout
