@@ -3,6 +3,7 @@
 
     torchrun --nproc_per_node 8 patches/run_pretrain_gpt.py --megatron-lm-path ~/Megatron-LM \\
         <pretrain_gpt.py flags> --use-higgs --higgs-compression-ratio 0.01
+    torchrun --nproc_per_node 8 --no-python higgs-megatron-lm --megatron-lm-path ~/Megatron-LM ...   (installed)
 
 Launcher flags (taken out before pretrain_gpt.py sees the rest):
   --megatron-lm-path DIR               the checkout (default: $MEGATRON_LM_PATH); tag core_v0.16.1
@@ -19,14 +20,19 @@ it needs). Exit status 2: bad flags or checkout; 1: a checkpoint refused (messag
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from megatron_lm.checkout import CheckoutError, check_checkout, use_checkout  # noqa: E402
+if __package__:  # installed: higgs_megatron_patches.run_pretrain_gpt (the higgs-megatron-lm command)
+    _PATCHES = f"{__package__}.megatron_lm"
+else:  # run as a file of a clone: patches/run_pretrain_gpt.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    _PATCHES = "megatron_lm"
+_checkout = importlib.import_module(f"{_PATCHES}.checkout")
+CheckoutError, check_checkout, use_checkout = _checkout.CheckoutError, _checkout.check_checkout, _checkout.use_checkout
 
 
 def _split_launcher_args(argv: list[str]) -> tuple[str | None, bool, bool, list[str]]:
@@ -57,9 +63,14 @@ def _say(message: str) -> None:
 
 def main(argv: list[str]) -> int:
     path, allow, patched, rest = _split_launcher_args(argv)
+    asked_help = any(arg in ("-h", "--help") for arg in rest)
+    if asked_help:
+        _say(__doc__.strip() + "\n\nWith a checkout, pretrain_gpt.py's own flags follow (ours among them).\n")
     try:
         checkout = check_checkout(path, allow)
     except CheckoutError as error:
+        if asked_help:
+            return 0
         _say(f"run_pretrain_gpt.py: error: {error}")
         return 2
     use_checkout(checkout)
@@ -67,7 +78,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from higgs_megatron.checkpoint.manifest import CheckpointError
-    from megatron_lm import install
+    install = importlib.import_module(f"{_PATCHES}.install")
 
     if patched:
         install.install()
@@ -77,14 +88,17 @@ def main(argv: list[str]) -> int:
         if torch.cuda.is_available():
             runpy.run_path(str(script), run_name="__main__")
         else:
-            from megatron_lm.cpu import megatron_lm_on_cpu
-
-            with megatron_lm_on_cpu():
+            with importlib.import_module(f"{_PATCHES}.cpu").megatron_lm_on_cpu():
                 runpy.run_path(str(script), run_name="__main__")
     except CheckpointError as error:
         _say(f"pretrain_gpt.py: checkpoint error: {error}")
         return 1
     return 0
+
+
+def console_main() -> int:
+    """The ``higgs-megatron-lm`` command."""
+    return main(sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 from typing import Iterator, Sequence
 
 import torch
@@ -81,8 +82,13 @@ def pretrain(argv: Sequence[str] | None = None, **trainer_kwargs) -> TrainResult
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse, validate, train. Bad input: one message, exit status 2."""
+    """Entry point: parse, validate, train. Bad input: one message, exit status 2. Without a
+    launcher (no ``RANK`` in the environment) the job is one process."""
     setup_logging()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     try:
         pretrain(argv)
     except UsageError as error:
@@ -104,6 +110,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 EXIT_CHECKPOINT = 3
 EXIT_PEER_LOST = RESTART_EXIT_CODE
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def dist_rank_or_launcher() -> int:
