@@ -40,8 +40,14 @@ optimizer wrapper's decision.
 Invariants kept: without the distributed optimizer every ``main_grad`` holds the DP-reduced
 gradient, identical on all DP ranks; with it at least this rank's shard does (the sparse
 path reduces the whole bucket). Each parameter is selected on its own, which keeps TP-replicated
-params identical across TP ranks (``compress.compressor``). Expert-parallel buckets and several distributed-optimizer
-instances are refused at construction.
+params identical across TP ranks (``compress.compressor``). Expert-parallel buckets are refused
+at construction.
+
+Several distributed-optimizer instances (``num_distributed_optimizer_instances``, Megatron's
+hierarchical data parallelism) keep Megatron's protocol: the reduce-scatter inside each
+instance stays dense, and the shard's all-reduce across the instances is what compresses (the
+hierarchical form, its levels the instances; error feedback on this rank's shard), all on
+Megatron's communication stream.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ from .stability.regroup import peer_lost
 from .reduce.sparse_allreduce import (PendingHierarchical, PendingSparseReduce, launch_hierarchical,
                                       launch_sparse_allreduce, node_reduce_scatter, reduce_scatter)
 from .sync_plan import NodeShape, choose_form, path_at, plan_bucket
-from .topology import NodeGroups, build_node_groups
+from .topology import NodeGroups, build_node_groups, instance_groups
 
 
 def dense_bytes_per_step(model: DistributedDataParallel) -> int:
@@ -127,8 +133,10 @@ class _Shared:
     sync_timeout: float | None = None  # seconds a wait for a sync may take before it is given up on
     sync_failed: str | None = None  # why this step's sync is not to be trusted
     abandoned: list[Any] = field(default_factory=list)  # works of this step given up on, not drained
-    nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical"
+    nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical", or several optimizer instances
     costs: LinkCosts | None = None  # with sync="auto"
+    instances: int = 1  # Megatron's num_distributed_optimizer_instances
+    average_over: int = 1  # the DP size, for average_in_collective on the summing paths
 
     def wait(self, work) -> None:
         """Wait for one collective of this step's sync, as ``_GroupHandle`` says."""
@@ -224,7 +232,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_steps = 0
         self.higgs_nonfinite: torch.Tensor | None = None
         nodes = shared.nodes
-        shape = None if nodes is None else NodeShape(nodes.nodes, nodes.ranks_per_node, nodes.local_index)
+        shape = None if nodes is None else NodeShape(nodes.nodes, nodes.ranks_per_node, nodes.local_index,
+                                                     instances=shared.instances > 1)
         self.higgs_buckets = [
             plan_bucket(f"group{index}.bucket{idx}", bucket.grad_data.numel(), bucket.grad_data.dtype,
                         [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list], shared.config,
@@ -249,7 +258,39 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             return self.intra_distributed_optimizer_instance_group
         return self.data_parallel_group
 
+    def _instance_stream(self) -> contextlib.AbstractContextManager:
+        """With several optimizer instances on CUDA, Megatron's protocol runs the sync on its
+        communication stream (after the compute stream's work so far): the cross-instance
+        collective waits there for the reduce-scatter inside the instance, never on the compute
+        stream. A no-op otherwise."""
+        stream = getattr(self, "communication_stream", None)
+        if self.higgs.instances == 1 or stream is None or not self.buckets[0].grad_data.is_cuda:
+            return contextlib.nullcontext()
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        if self.higgs.instances == 1:
+            super().finish_grad_sync(force_all_reduce)
+            return
+        # Megatron's returns at once for several instances (its collectives are synchronous on
+        # the communication stream); ours leave a handle, whose wait also decompresses.
+        self.param_gather_dispatched = False
+        if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
+            self.start_grad_sync(force_all_reduce=force_all_reduce)
+        if self.grad_reduce_handle is not None:
+            with self._instance_stream():
+                self.grad_reduce_handle.wait()
+            self.grad_reduce_handle = None
+        stream = getattr(self, "communication_stream", None)
+        if stream is not None and self.buckets[0].grad_data.is_cuda:
+            torch.cuda.current_stream().wait_stream(stream)
+
     def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        with self._instance_stream():
+            self._start_grad_sync(force_all_reduce)
+
+    def _start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # Megatron's first-batch re-entry: already launched
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
@@ -322,7 +363,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             self.higgs_nonfinite = torch.isfinite(torch.stack(sums)).all().logical_not()
         self.higgs_steps += 1
         shared.stats.add(stats)
-        handle = _GroupHandle(dense_works, sparse, dist.get_world_size(group) if average else 1,
+        handle = _GroupHandle(dense_works, sparse, shared.average_over if average else 1,
                               on_done=self._on_sync_done, shared=shared)
         if overlap:
             self.grad_reduce_handle = handle
@@ -353,15 +394,24 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
 
     def _launch_dense(self, idx: int, grad: torch.Tensor, reduce_op, group, async_op: bool,
                       force_all_reduce: bool | None):
-        """Megatron's own collective for one bucket (reduce-scatter into this rank's shard
-        with the distributed optimizer, else all-reduce)."""
+        """Megatron's own collectives for one bucket: reduce-scatter into this rank's shard with
+        the distributed optimizer, else all-reduce; with several optimizer instances, then that
+        shard all-reduced across the instances, once the reduce-scatter is done."""
         if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
             if self.cached_grad_buffer_shard_list[idx] is None:
                 self.cached_grad_buffer_shard_list[idx] = shard_buffer(
                     grad, self.intra_distributed_optimizer_instance_size)
             local = self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
-            return reduce_scatter(local, grad, group, reduce_op, async_op, bounded=self.higgs.sync_timeout is not None)
-        return dist.all_reduce(grad, op=reduce_op, group=group, async_op=async_op)
+            work = reduce_scatter(local, grad, group, reduce_op, async_op, bounded=self.higgs.sync_timeout is not None)
+        else:
+            local = grad
+            work = dist.all_reduce(grad, op=reduce_op, group=group, async_op=async_op)
+        if self.higgs.instances == 1:
+            return work
+        if work is not None:
+            self.higgs.wait(work)
+        return dist.all_reduce(local, op=reduce_op, group=self.inter_distributed_optimizer_instance_group,
+                               async_op=async_op)
 
 
 class HiggsDDP(DistributedDataParallel):
@@ -369,10 +419,6 @@ class HiggsDDP(DistributedDataParallel):
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, higgs_config: HiggsConfig | None = None,
                  **kwargs) -> None:
-        if ddp_config.num_distributed_optimizer_instances > 1:
-            raise HiggsConfigurationError(
-                "HiggsDDP supports one distributed-optimizer instance; "
-                f"got num_distributed_optimizer_instances={ddp_config.num_distributed_optimizer_instances}")
         if ddp_config.use_megatron_fsdp or ddp_config.use_custom_fsdp:
             raise HiggsConfigurationError("HiggsDDP replaces DDP's reduction; Megatron FSDP is not supported")
         super().__init__(config, ddp_config, module, **kwargs)
@@ -388,8 +434,14 @@ class HiggsDDP(DistributedDataParallel):
         # parameter (same gradient on each) is selected alike even where sampling falls short.
         selector = None if self.higgs_config.compressor == "none" else make_selector(
             self.higgs_config.compressor, seed=dist.get_rank(dp_group))
-        self._higgs = _Shared(config=self.higgs_config, selector=selector)
-        if self.higgs_config.sync in ("auto", "hierarchical") and self.higgs_config.compressor != "none":
+        instances = ddp_config.num_distributed_optimizer_instances
+        self._higgs = _Shared(config=self.higgs_config, selector=selector, instances=instances,
+                              average_over=dist.get_world_size(dp_group) * instances)
+        if instances > 1 and self.higgs_config.compressor != "none":
+            # Megatron's parallel state made the two levels: dense inside an instance, compressed across.
+            self._higgs.nodes = instance_groups(dp_group, self.bucket_groups[0].inter_distributed_optimizer_instance_group)
+            dp_group = self.dp_cp_group  # the cost measurement below is agreed over the whole DP group
+        elif self.higgs_config.sync in ("auto", "hierarchical") and self.higgs_config.compressor != "none":
             # Collective over the whole world: every rank builds its HiggsDDP chunks together.
             self._higgs.nodes = build_node_groups(dp_group)
         for index, group in enumerate(self.bucket_groups):
@@ -456,7 +508,8 @@ class HiggsDDP(DistributedDataParallel):
         """Every process group this chunk's gradient sync waits on (what a rebuild replaces)."""
         groups = [group for bucket_group in self.bucket_groups
                   for group in (getattr(bucket_group, "data_parallel_group", None),
-                                getattr(bucket_group, "intra_distributed_optimizer_instance_group", None))]
+                                getattr(bucket_group, "intra_distributed_optimizer_instance_group", None),
+                                getattr(bucket_group, "inter_distributed_optimizer_instance_group", None))]
         if self._higgs.nodes is not None:
             groups += [self._higgs.nodes.intra, self._higgs.nodes.inter]
         unique: dict[int, dist.ProcessGroup] = {}

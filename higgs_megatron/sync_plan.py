@@ -4,7 +4,8 @@ For each gradient bucket, ``plan_bucket`` decides once, at construction:
 
 * its compressed **forms**: ``sparse`` (the flat all-gather reduction over the DP group) and,
   where the DP group spans several nodes with several ranks each, ``hierarchical`` (dense
-  inside the node, this rank's slice compressed across nodes); none for a bucket that always
+  inside the node, this rank's slice compressed across nodes); with several distributed-
+  optimizer instances, ``hierarchical`` alone, its levels the instances; none for a bucket that always
   stays dense (compressor ``none``, ``sync="dense"``, fewer than ``min_bucket_numel``
   elements, or ``hierarchical`` on one node);
 * for each form, its ``BucketPlan`` (the selection units and fixed k per density).
@@ -29,11 +30,14 @@ from .reduce.sparse_allreduce import slice_range
 
 @dataclass(frozen=True)
 class NodeShape:
-    """Where this rank sits among the DP group's nodes (``topology.NodeGroups`` without its groups)."""
+    """Where this rank sits among the DP group's nodes (``topology.NodeGroups`` without its groups).
+    ``instances``: the levels are Megatron's distributed-optimizer instances, whose protocol is
+    a reduce-scatter inside the instance and an all-reduce across: there is no flat form."""
 
     nodes: int
     ranks_per_node: int
     local_index: int
+    instances: bool = False
 
     @property
     def single_node(self) -> bool:
@@ -84,10 +88,14 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
                     and not (config.sync == "hierarchical" and (nodes is None or nodes.single_node)))
     forms = {"auto": ("sparse", "hierarchical"), "sparse": ("sparse",),
              "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
+    instances = nodes is not None and nodes.instances
+    if instances and forms:  # compressed across the instances only, whatever the sync mode
+        forms = ("hierarchical",)
     candidates: dict[str, BucketPlan] = {}
     if "sparse" in forms:
         candidates["sparse"] = BucketPlan(numel, slots, config.min_param_numel, device)
-    hierarchy = nodes is not None and (config.sync == "hierarchical" or (nodes.nodes > 1 and nodes.ranks_per_node > 1))
+    hierarchy = nodes is not None and (config.sync == "hierarchical" or instances
+                                       or (nodes.nodes > 1 and nodes.ranks_per_node > 1))
     piece = None
     if "hierarchical" in forms and hierarchy:  # select within this rank's slice of the node-reduced bucket
         lo, hi = slice_range(numel, nodes.ranks_per_node, nodes.local_index)

@@ -63,6 +63,15 @@ def split_by_node(ranks: list[int], node_of: dict[int, str]) -> list[list[int]]:
     return list(by_node.values())
 
 
+def instance_groups(intra: dist.ProcessGroup, inter: dist.ProcessGroup) -> NodeGroups:
+    """Megatron's distributed-optimizer instances as the two levels: the ranks of one instance
+    (``intra_distributed_optimizer_instance_group``, its reduce-scatter dense) and the ranks
+    holding the same shard in every instance (``inter_distributed_optimizer_instance_group``,
+    where the sync compresses). Megatron's parallel state made them: no new group here."""
+    return NodeGroups(intra=intra, inter=inter, nodes=dist.get_world_size(inter),
+                      ranks_per_node=dist.get_world_size(intra), local_index=dist.get_rank(intra))
+
+
 def build_node_groups(dp_group: dist.ProcessGroup) -> NodeGroups:
     """Collective over the default group: every rank must call it, with its own DP group."""
     me = dist.get_rank()

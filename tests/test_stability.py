@@ -170,6 +170,31 @@ def test_slow_within_the_timeout_hang_past_it_and_nan(tmp_path, tiny_gpt_args):
     assert outs[0]["params"]["nan"].keys() == outs[0]["params"]["clean"].keys()
 
 
+def test_a_hang_under_two_optimizer_instances_is_one_alignment_on_either_level(tmp_path, tiny_gpt_args):
+    """--num-distributed-optimizer-instances 2 over DP=4: a 6 s hang past a 2 s timeout, with the
+    cross-instance all-reduce compressed and with every bucket dense (reduce-scatter inside the
+    instance, then the shard's all-reduce across): one alignment each, every group rebuilt
+    (the cross-instance one included), the clean run's parameters bitwise."""
+    instances = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+                 "--ddp-bucket-size", "20000", "--global-batch-size", "16"]
+    compressed = ["--higgs-sync", "sparse", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0",
+                  "--overlap-grad-reduce"]
+    variants = {}
+    for kind, flags in (("compressed", compressed), ("dense", ["--higgs-sync", "dense"])):
+        base = tiny_gpt_args + ["--use-higgs", "--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout",
+                                "0"] + instances + flags
+        variants[f"clean_{kind}"] = base + ["--higgs-step-timeout", "4"]
+        variants[f"hang_{kind}"] = base + ["--higgs-step-timeout", "2", "--inject-fault", "hang@1:3:6"]
+    outs = run_ranks(train_variants, 4, args=(variants,), timeout=500)
+    for out in outs:
+        assert out["alignments"] == {"clean_compressed": 0, "hang_compressed": 1, "clean_dense": 0, "hang_dense": 1}
+        for kind in ("compressed", "dense"):
+            assert sorted(out["losses"][f"hang_{kind}"]) == list(range(1, 7))
+            for key, value in out["params"][f"hang_{kind}"].items():
+                assert torch.equal(value, out["params"][f"clean_{kind}"][key]), f"{kind}: differs at {key}"
+                assert torch.equal(value, outs[0]["params"][f"hang_{kind}"][key]), f"{kind}: replicas differ at {key}"
+
+
 def test_crash_restarts_and_resumes_from_the_latest_checkpoint(tmp_path, tiny_gpt_args):
     """crash@1:6 under torchrun --max-restarts 1 with async checkpoints every 2 iterations:
     the job finishes, and its final parameters equal those of a run that resumed from the

@@ -6,6 +6,7 @@ folder, so only the wheel's copy of the package can be imported.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -27,8 +28,13 @@ def _run(command: list[str], cwd: Path, timeout: float = 300) -> subprocess.Comp
 def installed(tmp_path_factory) -> Path:
     """The wheel, checked for every source file and command, installed into a fresh venv: its bin/."""
     tmp_path = tmp_path_factory.mktemp("wheel")
+    source = tmp_path / "source"  # a copy: the build writes build/ and *.egg-info/ beside the sources
+    for name in ("higgs_megatron", "patches"):
+        shutil.copytree(REPO_ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                  "-w", str(tmp_path / "dist"), str(REPO_ROOT)], cwd=tmp_path)
+                  "-w", str(tmp_path / "dist"), str(source)], cwd=tmp_path)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("higgs_megatron-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1, metavar="N",
+                   help="the distributed optimizer sharded inside each of N groups of DP ranks: reduce-scatter "
+                        "inside an instance, all-reduce across instances (Megatron's hierarchical data parallelism; "
+                        "with --use-higgs the cross-instance all-reduce is the compressed one)")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (Megatron's default: max(40M, 1M x DP))")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
@@ -157,7 +161,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
               "global_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
-              "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads",
+              "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads", "num_distributed_optimizer_instances",
               "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last", "higgs_step_timeout")
     for check in (_check_higgs, _check_checkpoints, _check_optimizer, _check_stability, _check_memory,
                   _check_recompute, _check_layout, _check_model, _check_schedule, _check_data, _check_runtime):
@@ -238,6 +242,12 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
         )
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
+    instances = args.num_distributed_optimizer_instances
+    if instances > 1 and not args.use_distributed_optimizer:
+        raise UsageError(f"--num-distributed-optimizer-instances {instances} needs --use-distributed-optimizer")
+    if args.data_parallel_size % instances != 0:
+        raise UsageError(f"--num-distributed-optimizer-instances {instances} does not divide the data-parallel "
+                         f"size {args.data_parallel_size}")
 
 
 def _check_model(args: argparse.Namespace, world_size: int) -> None:

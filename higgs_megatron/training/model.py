@@ -71,6 +71,7 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         bucket_size=args.ddp_bucket_size,
     )
 

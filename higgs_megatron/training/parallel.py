@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 
 def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                  timeout_minutes: float = 10.0) -> None:
+                  timeout_minutes: float = 10.0, num_distributed_optimizer_instances: int = 1) -> None:
     if not dist.is_initialized():
         if torch.cuda.is_available():  # before anything allocates on a device: this rank's GPU, not GPU 0
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -30,6 +30,7 @@ def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
 
 
