@@ -20,6 +20,17 @@ def _base(tiny_gpt_args, layout, distopt, iters):
             + ["--train-iters", str(iters), "--overlap-grad-reduce", "--ddp-bucket-size", "20000"])
 
 
+def _assert_equals_megatron(rank_out: dict) -> None:
+    """Variants 'none' bitwise and 'topk-1.0' to 1e-6 equal to 'megatron' on this rank."""
+    reference = rank_out["params"]["megatron"]
+    for name, value in rank_out["params"]["none"].items():
+        assert torch.equal(value, reference[name]), f"compressor none differs from Megatron DDP at {name}"
+    for name, value in rank_out["params"]["topk-1.0"].items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-6 * reference[name].abs().max().item(),
+                                   msg=lambda m: f"top-k at density 1.0 differs at {name}: {m}")
+    assert rank_out["losses"]["megatron"] == rank_out["losses"]["none"]
+
+
 @DISTOPT
 @pytest.mark.parametrize("world_size,layout", LAYOUTS)
 def test_equals_megatron_ddp_when_dense(world_size, layout, distopt, tiny_gpt_args):
@@ -31,13 +42,7 @@ def test_equals_megatron_ddp_when_dense(world_size, layout, distopt, tiny_gpt_ar
                             "--higgs-min-bucket-numel", "0"],
     }
     for rank_out in run_ranks(train_variants, world_size, args=(variants,), timeout=400):
-        reference = rank_out["params"]["megatron"]
-        for name, value in rank_out["params"]["none"].items():
-            assert torch.equal(value, reference[name]), f"compressor none differs from Megatron DDP at {name}"
-        for name, value in rank_out["params"]["topk-1.0"].items():
-            torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-6 * reference[name].abs().max().item(),
-                                       msg=lambda m: f"top-k at density 1.0 differs at {name}: {m}")
-        assert rank_out["losses"]["megatron"] == rank_out["losses"]["none"]
+        _assert_equals_megatron(rank_out)
 
 
 SPARSE = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0", "--higgs-sync", "sparse",
@@ -170,13 +175,7 @@ def test_two_optimizer_instances_dense_equals_megatron_and_compressed_keeps_repl
     }
     outs = run_ranks(train_variants, 4, args=(variants,), timeout=400)
     for rank_out in outs:
-        reference = rank_out["params"]["megatron"]
-        for name, value in rank_out["params"]["none"].items():
-            assert torch.equal(value, reference[name]), f"compressor none differs from Megatron DDP at {name}"
-        for name, value in rank_out["params"]["topk-1.0"].items():
-            torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-6 * reference[name].abs().max().item(),
-                                       msg=lambda m: f"top-k at density 1.0 differs at {name}: {m}")
-        assert rank_out["losses"]["megatron"] == rank_out["losses"]["none"]
+        _assert_equals_megatron(rank_out)
     replicas = [out["params"]["topk-0.01"] for out in outs]
     for name, value in replicas[0].items():
         assert all(torch.equal(value, other[name]) for other in replicas[1:]), f"DP replicas differ at {name}"
