@@ -56,7 +56,7 @@ def test_coverage_needs_every_element_tiled_and_the_same_global_shape():
 
 def test_vocabulary_padding_rows_are_clipped_to_what_both_shapes_hold():
     from higgs_megatron.checkpoint.validation import vocab_differences
-    from higgs_megatron.checkpoint.vocab import VocabPadding, padded_rows, vocab_record
+    from higgs_megatron.checkpoint.vocab import VocabPadding, padded_rows, recorded_vocab, vocab_record
 
     assert [padded_rows(257, 128, tp) for tp in (1, 2, 4)] == [384, 512, 512]
     assert VocabPadding(257, 512, 128).divisor_keeping(1) == 256
@@ -76,6 +76,12 @@ def test_vocabulary_padding_rows_are_clipped_to_what_both_shapes_hold():
         "--make-vocab-size-divisible-by 256 would keep 512)"]
     assert vocab_differences(vocab_record(257, 128, 2), vocab_record(257, 256, 1), 1) == []
     assert vocab_differences(None, vocab_record(257, 128, 1), 1) == []
+    # A rank map from before the record: the true size from the flags, the padded rows from the shapes.
+    older = recorded_vocab(saved, vocab_record(257, 128, 1))
+    assert older == {"vocab_size": 257, "make_vocab_size_divisible_by": None, "padded_vocab_size": 512}
+    assert vocab_differences(older, vocab_record(257, 128, 1), 1) == [
+        "padded vocabulary: checkpoint 512 rows, now 384 (--make-vocab-size-divisible-by 128; "
+        "--make-vocab-size-divisible-by 256 would keep 512)"]
     with pytest.raises(CheckpointError, match="vocabulary size: checkpoint 257, now 300"):
         vocab_differences(vocab_record(257, 128, 2), vocab_record(300, 128, 2), 2)
 

@@ -22,6 +22,7 @@ from .manifest import MANIFEST_NAME, CheckpointError, Manifest
 from .state import (TrainingState, prepare_fresh_optimizer_for_load, restore_rng_state, shard_records,
                     sharded_training_state, tolerate_torch_adam_step, untie_adam_steps)
 from .validation import RECOVERY_MODES, check_layout, uncovered_shards, verify_files  # noqa: F401 - RECOVERY_MODES
+from .vocab import recorded_vocab
 
 
 @dataclass
@@ -95,7 +96,7 @@ def load_checkpoint(training: TrainingState, load_dir: str | Path, recovery_mode
         return None
     manifest = Manifest.read(path)
     differences = check_layout(path, manifest.layout, current_layout(training.use_distributed_optimizer),
-                               recovery_mode, manifest.vocab, training.vocab)
+                               recovery_mode, recorded_vocab(manifest, training.vocab), training.vocab)
     resharded = bool(differences)
     prepare_fresh_optimizer_for_load(training.optimizer)
     state = sharded_training_state(training, is_loading=True, per_rank=not resharded)

@@ -47,7 +47,7 @@ def layout_differences(saved: Layout, now: Layout) -> list[str]:
 
 
 def vocab_differences(saved: dict | None, now: dict | None, tensor_model_parallel_size: int) -> list[str]:
-    """The padded vocabulary, saved (``Manifest.vocab``) against now (``vocab.vocab_record``),
+    """The padded vocabulary, saved (``vocab.recorded_vocab``) against now (``vocab.vocab_record``),
     naming the divisor that would keep the saved rows; raises when the true sizes differ (another
     tokenizer: no layout can load it)."""
     if saved is None or now is None:

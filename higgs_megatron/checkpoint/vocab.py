@@ -31,6 +31,18 @@ def vocab_record(vocab_size: int, divisible_by: int, tensor_model_parallel_size:
             "padded_vocab_size": padded_rows(vocab_size, divisible_by, tensor_model_parallel_size)}
 
 
+def recorded_vocab(manifest: Manifest, now: dict | None) -> dict | None:
+    """The rank map's vocabulary record; for a rank map from before it was recorded, one made
+    from the flags (``now``: the true size, which the tokenizer fixes) and the saved word
+    embedding's rows (the divisor then unknown)."""
+    if manifest.vocab or now is None:
+        return manifest.vocab
+    rows = {s.global_shape[0] for r in manifest.ranks for s in r.shards if is_vocab_key(s.key)}
+    if len(rows) != 1:
+        return None
+    return {"vocab_size": now["vocab_size"], "make_vocab_size_divisible_by": None, "padded_vocab_size": rows.pop()}
+
+
 def is_vocab_key(key: str) -> bool:
     """The word embedding, the output layer, and their optimizer state (same suffix)."""
     return key.endswith(VOCAB_SUFFIXES)

@@ -52,7 +52,7 @@ from higgs_megatron.checkpoint.state import owner_written_optimizer_state
 from higgs_megatron.checkpoint.state import (prepare_fresh_optimizer_for_load, shard_records, tolerate_torch_adam_step,
                                              untie_adam_steps)
 from higgs_megatron.checkpoint.validation import check_layout, uncovered_shards, verify_files
-from higgs_megatron.checkpoint.vocab import vocab_record
+from higgs_megatron.checkpoint.vocab import recorded_vocab, vocab_record
 from higgs_megatron.logs import get_logger, log_single_rank
 
 log = get_logger("higgs_megatron.patches.rank_map")
@@ -153,8 +153,9 @@ class RankMapHooks:
         if warning:
             log_single_rank(log, logging.WARNING, f" [higgs] warning: {warning}")
         manifest = Manifest.read(path)
+        vocab = megatron_lm_vocab(a)
         differences = check_layout(path, manifest.layout, current_layout(a.use_distributed_optimizer),
-                                   a.recovery_mode, manifest.vocab, megatron_lm_vocab(a))
+                                   a.recovery_mode, recorded_vocab(manifest, vocab), vocab)
         agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()),
               f"{path} failed its integrity check")
         a.ckpt_step = manifest.iteration
