@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         text, report, ok = _run(args)
-    except (CheckpointError, ValueError) as error:
+    except (CheckpointError, ValueError, OSError) as error:
         log.error(f"higgs-megatron checkpoint {args.action}: error: {error}")
         return 2
     sys.stdout.write((json.dumps(report, indent=1) if args.json else text) + "\n")

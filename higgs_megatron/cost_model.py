@@ -66,11 +66,13 @@ class LinkCosts:
 
     @classmethod
     def assumed(cls, gbps: float, dp_size: int, ranks_per_node: int, distributed_optimizer: bool,
-                compress_seconds_per_element: float, node_gbps: float | None = None) -> "LinkCosts":
+                compress_seconds_per_element: float, node_gbps: float | None = None,
+                hierarchy: bool | None = None) -> "LinkCosts":
         """Costs of ideal rings with no latency: links between nodes of ``gbps`` (the flat
         collectives over the whole group run at that pace), links inside a node of
         ``node_gbps`` (default ``gbps``). A dense all-reduce moves 2(n-1)/n of the bucket per
-        rank (a reduce-scatter half of that), an all-gather (n-1) payloads."""
+        rank (a reduce-scatter half of that), an all-gather (n-1) payloads. ``hierarchy``: price
+        the two levels (default: when there are several nodes of several ranks)."""
         n, nodes = dp_size, dp_size // ranks_per_node
 
         def ring(factor: float, link_gbps: float) -> CollectiveCost:
@@ -78,7 +80,7 @@ class LinkCosts:
 
         node_gbps = node_gbps or gbps
         dense_factor = (n - 1) / n * (1 if distributed_optimizer else 2)
-        hierarchical = nodes > 1 and ranks_per_node > 1
+        hierarchical = nodes > 1 and ranks_per_node > 1 if hierarchy is None else hierarchy
         label = f"assumed {gbps:g} Gbit/s" + (f", {node_gbps:g} Gbit/s inside a node" if hierarchical else "")
         return cls(dense=ring(dense_factor, gbps), gather=ring(n - 1, gbps),
                    compress_seconds_per_element=compress_seconds_per_element, source=label,

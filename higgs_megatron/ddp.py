@@ -5,9 +5,9 @@ Where it plugs in. Megatron's DDP keeps gradients in flat buckets, grouped into
 ready; when a group is complete, ``start_grad_sync`` launches its collective (while the
 rest of backward runs), and ``finalize_model_grads`` later calls ``finish_grad_sync``.
 ``HiggsDDP`` builds everything exactly as Megatron does, then changes the class of each
-bucket group to ``HiggsBucketGroup``, which overrides only ``start_grad_sync`` (its
-``finish_grad_sync`` is Megatron's: it waits on the handle we leave, whose ``wait`` also
-decompresses). Object identity, the optimizer's view of the buffers and
+bucket group to ``HiggsBucketGroup``, which overrides ``start_grad_sync`` (and, with several
+optimizer instances only, ``finish_grad_sync``; otherwise that is Megatron's: it waits on the
+handle we leave, whose ``wait`` also decompresses). Object identity, the optimizer's view of the buffers and
 ``isinstance(model, DistributedDataParallel)`` are untouched.
 
 Per bucket group, per step (once, on the accumulated gradient, never per micro-batch):
@@ -32,7 +32,9 @@ and the collective is launched with ``async_op`` right after; NCCL's stream wait
 current stream at launch, so it reads the finished payload. ``finish_grad_sync`` waits on the
 handle: ``work.wait()`` makes the current stream wait for the collective's end (the host goes
 on), and the decompression is queued after it, so the optimizer, which runs after
-``finish_grad_sync`` on the same stream, reads reduced gradients. No side stream is ours, and
+``finish_grad_sync`` on the same stream, reads reduced gradients. No side stream is ours (with
+several optimizer instances all of it runs on Megatron's communication stream instead, which
+``finish_grad_sync`` joins back to the current stream), and
 nothing between ``start_grad_sync`` and ``finish_grad_sync`` reads a device value on the host
 (``host_sync`` counts such reads in the tests); the non-finite flag is read once, by the
 optimizer wrapper's decision.
@@ -233,7 +235,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_nonfinite: torch.Tensor | None = None
         nodes = shared.nodes
         shape = None if nodes is None else NodeShape(nodes.nodes, nodes.ranks_per_node, nodes.local_index,
-                                                     instances=shared.instances > 1)
+                                                     instances=nodes.instances)
         self.higgs_buckets = [
             plan_bucket(f"group{index}.bucket{idx}", bucket.grad_data.numel(), bucket.grad_data.dtype,
                         [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list], shared.config,
@@ -381,12 +383,13 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         with self.higgs.compress_timer.measure(grad.device):
             sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
                                                  key=(self.higgs_index, idx))
-        # Bytes handed to collectives: the node's reduce-scatter and all-gather, and the payload.
-        node_bytes = 2 * (work.numel() - piece.numel()) * work.element_size()
+        # Bytes handed to collectives: the node's reduce-scatter (and all-gather), and the payload.
+        node_bytes = (1 if nodes.instances else 2) * (work.numel() - piece.numel()) * work.element_size()
         stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
         stats.sparse_buckets += 1
         return launch_hierarchical(sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions,
-                                   sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op)
+                                   sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op,
+                                   gather=not nodes.instances)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:

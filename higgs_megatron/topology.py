@@ -45,6 +45,7 @@ class NodeGroups:
     nodes: int
     ranks_per_node: int
     local_index: int  # this rank's place in its intra-node group
+    instances: bool = False  # the levels are Megatron's distributed-optimizer instances
 
     @property
     def single_node(self) -> bool:
@@ -69,7 +70,7 @@ def instance_groups(intra: dist.ProcessGroup, inter: dist.ProcessGroup) -> NodeG
     holding the same shard in every instance (``inter_distributed_optimizer_instance_group``,
     where the sync compresses). Megatron's parallel state made them: no new group here."""
     return NodeGroups(intra=intra, inter=inter, nodes=dist.get_world_size(inter),
-                      ranks_per_node=dist.get_world_size(intra), local_index=dist.get_rank(intra))
+                      ranks_per_node=dist.get_world_size(intra), local_index=dist.get_rank(intra), instances=True)
 
 
 def build_node_groups(dp_group: dist.ProcessGroup) -> NodeGroups:

@@ -213,7 +213,9 @@ def test_the_checkpoint_tool_inspects_verifies_and_plans_offline(tmp_path, tiny_
     files = sum(len(r.files) for r in Manifest.read(tmp_path / "iter_0000002").ranks)
     assert f"all {files} files match the rank map" in capsys.readouterr().out
     shard = tmp_path / "iter_0000002" / "__1_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
     (tmp_path / "iter_0000002" / "__0_0.distcp").unlink()
     assert cli(["checkpoint", "verify", str(tmp_path)]) == 1
     out = capsys.readouterr().out
@@ -227,10 +229,17 @@ def test_the_checkpoint_tool_inspects_verifies_and_plans_offline(tmp_path, tiny_
     assert "tensor-model-parallel size: checkpoint 2, now 1" in out and "data-parallel size: checkpoint 1, now 2" in out
     assert "--recovery-mode same-sharding: refused" in out and "--recovery-mode reshard: loads" in out
     assert "embedding.word_embeddings.weight: 512 rows in the checkpoint, 384 at the target" in out
-    assert "--make-vocab-size-divisible-by 256 keeps 512" in out and "resets: RNG states" in out
+    assert "padded vocabulary: checkpoint 512 rows, now 384" in out and "resets: RNG states" in out
+    assert "--make-vocab-size-divisible-by 256 would keep 512" in out
     assert cli(["checkpoint", "plan", str(tmp_path), *target, "--make-vocab-size-divisible-by", "256", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["reshaped"] == [] and plan["reshard"] and not plan["same_sharding"]
+    same_layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--data-parallel-size", "1"]
+    assert cli(["checkpoint", "plan", str(tmp_path), *same_layout, "--make-vocab-size-divisible-by", "64"]) == 0
+    out = capsys.readouterr().out  # a divisor change alone: same-sharding refuses, reshard reshapes and resets
+    assert "same-sharding: refused" in out and "reshard: loads" in out and "resets: RNG" in out
+    assert cli(["checkpoint", "plan", str(tmp_path), *same_layout, "--vocab-size", "300"]) == 1
+    assert "another tokenizer" in capsys.readouterr().out
     assert cli(["checkpoint", "plan", str(tmp_path), *target[:4], "--data-parallel-size", "0"]) == 2
     assert cli(["checkpoint", "inspect", str(tmp_path / "nowhere")]) == 2
 

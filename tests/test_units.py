@@ -82,8 +82,11 @@ def test_vocabulary_padding_rows_are_clipped_to_what_both_shapes_hold():
     assert vocab_differences(older, vocab_record(257, 128, 1), 1) == [
         "padded vocabulary: checkpoint 512 rows, now 384 (--make-vocab-size-divisible-by 128; "
         "--make-vocab-size-divisible-by 256 would keep 512)"]
-    with pytest.raises(CheckpointError, match="vocabulary size: checkpoint 257, now 300"):
+    with pytest.raises(CheckpointError, match="vocabulary: checkpoint 257 tokens in 512 rows, now 300 tokens"):
         vocab_differences(vocab_record(257, 128, 2), vocab_record(300, 128, 2), 2)
+    # An older rank map whose rows cannot hold today's vocabulary: another tokenizer, not padding.
+    with pytest.raises(CheckpointError, match="checkpoint 600 tokens in 512 rows, now 600 tokens"):
+        vocab_differences(recorded_vocab(saved, vocab_record(600, 128, 1)), vocab_record(600, 128, 1), 1)
 
 
 def test_the_rank_map_round_trips_and_refuses_malformed_or_future_files():

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from .manifest import MANIFEST_NAME, CheckpointError, Layout, Manifest, ShardRecord
 from .save import LATEST, MEGATRON_LM_TRACKER, checkpoint_name, committed_checkpoints
-from .validation import layout_differences, uncovered_shards, verify_files
-from .vocab import VocabPadding, padding_changes
+from .validation import layout_differences, uncovered_shards, verify_files, vocab_differences
+from .vocab import VocabPadding, padding_changes, recorded_vocab, vocab_record
 
 
 def _pointers(save_dir: Path) -> dict[str, str]:
@@ -146,28 +146,42 @@ def plan(directory: str | Path, target: Layout, version: int | None = None,
                                        f"{model_parallel * target.data_parallel_size}")
     result.reshard_problems += uncovered_shards(manifest, _whole_tensors(manifest)) + _overlapping(manifest)
 
-    padding = VocabPadding.of(manifest, vocab_size)
-    if padding is None:
-        result.notes.append("the rank map does not record the vocabulary size (a checkpoint from before it did): "
-                            "give --vocab-size to check the vocabulary padding")
-    else:
-        changes = padding_changes(manifest, padding, target.tensor_model_parallel_size, divisible_by)
-        result.reshaped = [change.describe() for change in changes]
-        if changes:
+    now_vocab = _target_vocab(manifest, target.tensor_model_parallel_size, divisible_by, vocab_size, result.notes)
+    if now_vocab is not None:  # the load's own rule (load.py, rank_map.py)
+        saved_vocab = recorded_vocab(manifest, now_vocab)
+        try:
+            padding = vocab_differences(saved_vocab, now_vocab, target.tensor_model_parallel_size)
+        except CheckpointError as error:
             result.same_sharding = False
-            keeping = padding.divisor_keeping(target.tensor_model_parallel_size)
-            result.notes.append(f"the padded vocabulary changes from {changes[0].saved_rows} to "
-                                f"{changes[0].target_rows} rows; " + (
-                                    f"--make-vocab-size-divisible-by {keeping} keeps {changes[0].saved_rows}"
-                                    if keeping else "no --make-vocab-size-divisible-by keeps it at this TP"))
-    if differences:
+            result.reshard_problems.append(str(error))
+            padding = []
+        if padding:
+            result.same_sharding = False
+            result.differences = differences + padding
+            saved_padding = VocabPadding(saved_vocab["vocab_size"], saved_vocab["padded_vocab_size"],
+                                         saved_vocab["make_vocab_size_divisible_by"])
+            result.reshaped = [change.describe() for change in padding_changes(
+                manifest, saved_padding, target.tensor_model_parallel_size, now_vocab["make_vocab_size_divisible_by"])]
+    if result.differences:
         result.resets.append("RNG states: reseeded from --seed plus the iteration")
         if manifest.higgs is not None and manifest.higgs.get("error_feedback", True):
             result.resets.append("error-feedback residuals: start from zero")
     result.reshard = not result.reshard_problems
-    if not result.same_sharding and not differences:
-        result.differences = ["vocabulary padding (above)"]
     return result
+
+
+def _target_vocab(manifest: Manifest, tensor_model_parallel_size: int, divisible_by: int | None,
+                  vocab_size: int | None, notes: list[str]) -> dict | None:
+    """The target's vocabulary record: the true size given, else recorded; the divisor given,
+    else the saved one. None (with a note) when either is unknown."""
+    recorded = manifest.vocab or {}
+    vocab_size = vocab_size or recorded.get("vocab_size")
+    divisible_by = divisible_by or recorded.get("make_vocab_size_divisible_by")
+    if vocab_size is None or divisible_by is None:
+        notes.append("the rank map does not record the vocabulary (a checkpoint from before it did): give "
+                     "--vocab-size and --make-vocab-size-divisible-by to check its padding")
+        return None
+    return vocab_record(vocab_size, divisible_by, tensor_model_parallel_size)
 
 
 def format_inspect(report: dict) -> str:

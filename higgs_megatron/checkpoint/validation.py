@@ -52,9 +52,9 @@ def vocab_differences(saved: dict | None, now: dict | None, tensor_model_paralle
     tokenizer: no layout can load it)."""
     if saved is None or now is None:
         return []
-    if saved["vocab_size"] != now["vocab_size"]:
-        raise CheckpointError(f"vocabulary size: checkpoint {saved['vocab_size']}, now {now['vocab_size']} "
-                              "(another tokenizer); no --recovery-mode loads it")
+    if saved["vocab_size"] != now["vocab_size"] or saved["padded_vocab_size"] < now["vocab_size"]:
+        raise CheckpointError(f"vocabulary: checkpoint {saved['vocab_size']} tokens in {saved['padded_vocab_size']} "
+                              f"rows, now {now['vocab_size']} tokens (another tokenizer); no --recovery-mode loads it")
     if saved["padded_vocab_size"] == now["padded_vocab_size"]:
         return []
     padding = VocabPadding(saved["vocab_size"], saved["padded_vocab_size"], saved["make_vocab_size_divisible_by"])

@@ -54,17 +54,6 @@ class VocabPadding:
     saved_rows: int
     divisible_by: int | None  # the saved --make-vocab-size-divisible-by, when recorded
 
-    @classmethod
-    def of(cls, manifest: Manifest, vocab_size: int | None = None) -> "VocabPadding | None":
-        """From the rank map's record, or from ``vocab_size`` and the saved embedding's rows."""
-        if manifest.vocab:
-            return cls(manifest.vocab["vocab_size"], manifest.vocab["padded_vocab_size"],
-                       manifest.vocab["make_vocab_size_divisible_by"])
-        rows = {s.global_shape[0] for r in manifest.ranks for s in r.shards if is_vocab_key(s.key)}
-        if vocab_size is None or len(rows) != 1:
-            return None
-        return cls(vocab_size, rows.pop(), None)
-
     def target_rows(self, tensor_model_parallel_size: int, divisible_by: int | None = None) -> int:
         divisor = divisible_by or self.divisible_by or 128  # Megatron-LM's default
         return padded_rows(self.vocab_size, divisor, tensor_model_parallel_size)

@@ -103,7 +103,8 @@ def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, di
     still timed.
     """
     probes: list[tuple[str, str, dist.ProcessGroup]] = []
-    hierarchy = nodes is not None and nodes.nodes > 1 and nodes.ranks_per_node > 1
+    # Optimizer instances are two levels even with one rank each (the instance's collectives then move nothing).
+    hierarchy = nodes is not None and nodes.nodes > 1 and (nodes.ranks_per_node > 1 or nodes.instances)
     if assume_gbps is None:
         probes = [("dense", "reduce_scatter" if distributed_optimizer else "all_reduce", dp_group),
                   ("gather", "all_gather", dp_group)]
@@ -120,7 +121,8 @@ def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, di
     if assume_gbps is not None:
         dp_size = dist.get_world_size(dp_group)
         return LinkCosts.assumed(assume_gbps, dp_size, nodes.ranks_per_node if hierarchy else dp_size,
-                                 distributed_optimizer, per_element, node_gbps=assume_node_gbps)
+                                 distributed_optimizer, per_element, node_gbps=assume_node_gbps,
+                                 hierarchy=hierarchy)
     fitted = {name: CollectiveCost.fit((SMALL, LARGE), (values[2 * i], values[2 * i + 1]))
               for i, (name, _, _) in enumerate(probes)}
     return LinkCosts(compress_seconds_per_element=per_element, source="measured", **fitted)

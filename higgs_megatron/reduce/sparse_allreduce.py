@@ -148,8 +148,9 @@ class PendingHierarchical:
     """The cross-node gather in flight; ``finish`` completes step 4 of the hierarchical protocol into ``target``."""
 
     def __init__(self, sparse: PendingSparseReduce, work: torch.Tensor, piece: torch.Tensor,
-                 target: torch.Tensor, intra: dist.ProcessGroup) -> None:
+                 target: torch.Tensor, intra: dist.ProcessGroup, gather: bool = True) -> None:
         self.sparse, self.work, self.piece, self.target, self.intra = sparse, work, piece, target, intra
+        self.gather = gather  # False: only this rank's slice of ``target`` is wanted (the distributed optimizer's shard)
 
     def wait(self, waiter=None) -> None:
         self.sparse.wait(waiter)
@@ -158,18 +159,28 @@ class PendingHierarchical:
         """As ``PendingSparseReduce.give_up``, but the node's all-gather still goes out: every
         rank of the node issues it (what it carries is not used)."""
         self.sparse.give_up(waiter)
-        waiter(dist.all_gather_into_tensor(self.work, self.piece, group=self.intra, async_op=True))
+        if self.gather:
+            waiter(dist.all_gather_into_tensor(self.work, self.piece, group=self.intra, async_op=True))
 
     def finish(self, waiter=None) -> None:
         self.sparse.finish(waiter)  # the slice now holds the sum over all nodes
-        (waiter or _plain_wait)(dist.all_gather_into_tensor(self.work, self.piece, group=self.intra, async_op=True))
-        if self.work.data_ptr() != self.target.data_ptr():
+        if self.gather:
+            (waiter or _plain_wait)(dist.all_gather_into_tensor(self.work, self.piece, group=self.intra,
+                                                                async_op=True))
+        if self.work.data_ptr() == self.target.data_ptr():
+            return
+        if self.gather:
             self.target.copy_(self.work.narrow(0, 0, self.target.numel()))
+        else:  # the padded work buffer's slice back into the bucket, where it overlaps
+            start = self.piece.storage_offset() - self.work.storage_offset()
+            end = min(start + self.piece.numel(), self.target.numel())
+            if end > start:
+                self.target.narrow(0, start, end - start).copy_(self.piece.narrow(0, 0, end - start))
 
 
 def launch_hierarchical(always_positions: torch.Tensor, always: torch.Tensor, positions: torch.Tensor,
                         values: torch.Tensor, work: torch.Tensor, piece: torch.Tensor, target: torch.Tensor,
                         intra: dist.ProcessGroup, inter: dist.ProcessGroup,
-                        async_op: bool = True) -> PendingHierarchical:
+                        async_op: bool = True, gather: bool = True) -> PendingHierarchical:
     sparse = launch_sparse_allreduce(always_positions, always, positions, values, piece, inter, async_op=async_op)
-    return PendingHierarchical(sparse, work, piece, target, intra)
+    return PendingHierarchical(sparse, work, piece, target, intra, gather)
