@@ -6,6 +6,9 @@ as many ranks as there are GPUs (two CPU ranks without CUDA), and reports one ro
 * ``ddp-oracle``: parameters after 5 steps, Megatron's DDP against ``--use-higgs
   --higgs-compressor none``, bitwise (one GPU: one rank; the multi-rank oracle needs two or
   more, since NCCL refuses two ranks on one GPU);
+* ``optimizer-instances``: with an even number of ranks, two distributed-optimizer instances
+  (Megatron's hierarchical DP, whose sync runs on Megatron's communication stream on CUDA):
+  compressor none bitwise equal to Megatron's DDP, DP replicas equal at 1%;
 * ``one-percent-<selector>``: ``--use-higgs`` at 1% on a model of about 1B parameters in
   bf16 (a tiny one on CPU): the loss falls, bytes sent against dense, compression time as a
   share of the step, for the exact and the sampled selector;
@@ -172,6 +175,29 @@ def stage_ddp_oracle(out_dir: Path) -> Row:
     return Row("ddp-oracle", "PASS" if equal else "FAIL",
                f"DP={_world()}, 5 steps: parameters {'bitwise equal' if equal else 'differ: ' + why}{note}",
                {"dp": _world(), "bitwise_equal": equal})
+
+
+def stage_optimizer_instances(out_dir: Path) -> Row:
+    """Megatron's hierarchical DP (two distributed-optimizer instances): on CUDA the sync runs on
+    Megatron's communication stream, which only this stage exercises."""
+    world = _world()
+    if world < 2 or world % 2:
+        return Row("optimizer-instances", "SKIP", f"needs an even number of GPUs, 2 or more; {world} here", {})
+    base = SMALL + ["--train-iters", "6", "--global-batch-size", str(8 * world), "--overlap-grad-reduce",
+                    "--ddp-bucket-size", "20000", "--use-distributed-optimizer", "--num-distributed-optimizer-instances",
+                    "2"]
+    compressed = base + ["--use-higgs", "--higgs-sync", "sparse", "--higgs-compression-ratio", "0.01",
+                         "--higgs-min-bucket-numel", "0"]
+    outs = run_ranks(train_variants, world, args=({"megatron": base, "none": base + [
+        "--use-higgs", "--higgs-compressor", "none"], "compressed": compressed},), timeout=400)
+    equal, why = _per_rank_equal(outs, "megatron", "none")
+    replicas = all(torch.equal(value, out["params"]["compressed"][name]) for out in outs[1:]
+                   for name, value in outs[0]["params"]["compressed"].items())
+    ok = equal and replicas
+    return Row("optimizer-instances", "PASS" if ok else "FAIL",
+               f"DP={world} as 2 instances, 6 steps: compressor none {'bitwise equal to' if equal else 'differs from'} "
+               f"Megatron DDP{'' if equal else ' (' + why + ')'}; at 1% the DP replicas "
+               f"{'are equal' if replicas else 'differ'}", {"bitwise_equal": equal, "replicas_equal": replicas})
 
 
 def stage_one_percent(out_dir: Path) -> list[Row]:
@@ -365,7 +391,8 @@ def stage_transformer_engine(out_dir: Path) -> Row:
         shutil.rmtree(work, ignore_errors=True)
 
 
-STAGES = {"ddp-oracle": stage_ddp_oracle, "one-percent": stage_one_percent,
+STAGES = {"ddp-oracle": stage_ddp_oracle, "optimizer-instances": stage_optimizer_instances,
+          "one-percent": stage_one_percent,
           "compressor-throughput": stage_compressor_throughput, "async-save-resume": stage_async_save_resume,
           "offload": stage_offload, "megatron-lm": stage_megatron_lm, "transformer-engine": stage_transformer_engine}
 

@@ -22,12 +22,13 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["cuda"] is False and report["machine"].startswith("CPU figures")
     status = {row["stage"]: row["status"] for row in report["rows"]}
-    assert status == {"ddp-oracle": "PASS", "one-percent-topk": "PASS", "one-percent-sampled-topk": "PASS",
+    assert status == {"ddp-oracle": "PASS", "optimizer-instances": "PASS", "one-percent-topk": "PASS", "one-percent-sampled-topk": "PASS",
                       "compressor-throughput": "PASS", "async-save-resume": "PASS", "offload": "PASS",
                       "megatron-lm": "SKIP", "transformer-engine": "SKIP"}, status
     table = (tmp_path / "gpu_check.md").read_text()
-    assert table.startswith("GPU check: CPU figures") and table.count("| PASS |") == 6
+    assert table.startswith("GPU check: CPU figures") and table.count("| PASS |") == 7
     rows = {row["stage"]: row["values"] for row in report["rows"]}
     assert rows["ddp-oracle"]["bitwise_equal"] and rows["async-save-resume"]["bitwise_equal"]
+    assert rows["optimizer-instances"]["bitwise_equal"] and rows["optimizer-instances"]["replicas_equal"]
     assert rows["offload"]["offloaded"] >= 1 and rows["offload"]["reloaded"] >= 1
     assert rows["one-percent-topk"]["bytes_ratio"] < 1 / 20
