@@ -13,6 +13,9 @@ back pickled, one per rank, in rank order. When a rank raises, the others are ki
 rank is killed and ``RankFailure`` names the ranks that had not finished. ``fn`` must be
 importable by name (a module-level function). ``env`` reaches a rank before ``fn`` runs, but
 after the preloaded imports: a variable those imports read belongs in the parent's environment.
+The rest of a rank's environment is the parent's as it was when the forkserver started (the
+first ``run_ranks`` of the process): a variable set in the parent later reaches ranks only
+through ``env``.
 
 ``run_pretrain_script`` runs ``examples/pretrain_gpt.py`` under torchrun instead, for tests
 that check what a user sees (exit status, log lines, the JSONL file).
