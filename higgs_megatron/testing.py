@@ -13,9 +13,8 @@ back pickled, one per rank, in rank order. When a rank raises, the others are ki
 rank is killed and ``RankFailure`` names the ranks that had not finished. ``fn`` must be
 importable by name (a module-level function). ``env`` reaches a rank before ``fn`` runs, but
 after the preloaded imports: a variable those imports read belongs in the parent's environment.
-The rest of a rank's environment is the parent's as it was when the forkserver started (the
-first ``run_ranks`` of the process): a variable set in the parent later reaches ranks only
-through ``env``.
+The rest of a rank's environment is the parent's at the ``run_ranks`` call, as under ``spawn``
+(the forkserver's own, from when it started, is replaced).
 
 ``run_pretrain_script`` runs ``examples/pretrain_gpt.py`` under torchrun instead, for tests
 that check what a user sees (exit status, log lines, the JSONL file).
@@ -60,6 +59,7 @@ def free_port() -> int:
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], queue: Any) -> None:
+    os.environ.clear()
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
@@ -79,6 +79,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
     procs = []
     for rank in range(world_size):
         rank_env = {
+            **os.environ,
             "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1", **(env or {}),
