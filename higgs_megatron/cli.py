@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("plan", "would it load at this layout, under same-sharding and under reshard?")):
         sub = actions.add_parser(name, help=help)
         sub.add_argument("directory", metavar="DIR", help="a save directory or one iter_NNNNNNN checkpoint")
-        sub.add_argument("--version", type=int, default=None, metavar="ITER",
+        sub.add_argument("--checkpoint-version", "--version", dest="version", type=int, default=None, metavar="ITER",
                          help="the committed checkpoint of this iteration (default: "
                               + ("all" if name == "inspect" else "the one a resume would load") + ")")
         sub.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _target(args: argparse.Namespace, saved_distributed_optimizer: bool) -> Layout:
+def _target(args: argparse.Namespace) -> Layout:
+    """The asked layout; ``use_distributed_optimizer`` None: as saved (``tool.plan`` fills it)."""
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                  "context_parallel_size", "expert_model_parallel_size"):
         if getattr(args, flag) < 1:
@@ -69,8 +70,7 @@ def _target(args: argparse.Namespace, saved_distributed_optimizer: bool) -> Layo
                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                   data_parallel_size=args.data_parallel_size, context_parallel_size=args.context_parallel_size,
                   expert_model_parallel_size=args.expert_model_parallel_size,
-                  use_distributed_optimizer=(saved_distributed_optimizer if args.use_distributed_optimizer is None
-                                             else args.use_distributed_optimizer))
+                  use_distributed_optimizer=args.use_distributed_optimizer)
 
 
 def _run(args: argparse.Namespace) -> tuple[str, object, bool]:
@@ -80,12 +80,7 @@ def _run(args: argparse.Namespace) -> tuple[str, object, bool]:
     if args.action == "verify":
         report = verify(args.directory, args.version)
         return format_verify(report), report, not report["problems"]
-    from .checkpoint.manifest import Manifest
-    from .checkpoint.tool import checkpoint_paths
-
-    saved = Manifest.read(checkpoint_paths(args.directory, args.version)[0]).layout
-    result = plan(args.directory, _target(args, saved.use_distributed_optimizer), args.version,
-                  args.make_vocab_size_divisible_by, args.vocab_size)
+    result = plan(args.directory, _target(args), args.version, args.make_vocab_size_divisible_by, args.vocab_size)
     ok = {"same-sharding": result.same_sharding, "reshard": result.reshard,
           None: result.same_sharding or result.reshard}[args.recovery_mode]
     return format_plan(result), asdict(result), ok

@@ -198,9 +198,8 @@ class _GroupHandle:
                 self.shared.wait(work)
         for pending in self.sparse:
             pending.wait(self.shared.wait)
-            if self.shared.abandoned:
-                with contextlib.suppress(RuntimeError):  # an aborted NCCL communicator refuses them
-                    pending.give_up(self.shared.wait)  # nothing read; its collectives still go out (see above)
+            if self.shared.abandoned:  # nothing read; its collectives still go out (see above)
+                self.shared.launch(lambda: pending.give_up(self.shared.wait))
             else:
                 pending.finish(self.shared.wait)
                 if self.average_over > 1:
@@ -265,11 +264,19 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         communication stream (after the compute stream's work so far): the cross-instance
         collective waits there for the reduce-scatter inside the instance, never on the compute
         stream. A no-op otherwise."""
-        stream = getattr(self, "communication_stream", None)
-        if self.higgs.instances == 1 or stream is None or not self.buckets[0].grad_data.is_cuda:
+        stream = self._instance_comm_stream
+        if stream is None:
             return contextlib.nullcontext()
         stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(stream)
+
+    @property
+    def _instance_comm_stream(self):
+        """Megatron's communication stream, with several instances on CUDA; else None."""
+        stream = getattr(self, "communication_stream", None)
+        if self.higgs.instances == 1 or stream is None or not self.buckets[0].grad_data.is_cuda:
+            return None
+        return stream
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         if self.higgs.instances == 1:
@@ -284,9 +291,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             with self._instance_stream():
                 self.grad_reduce_handle.wait()
             self.grad_reduce_handle = None
-        stream = getattr(self, "communication_stream", None)
-        if stream is not None and self.buckets[0].grad_data.is_cuda:
-            torch.cuda.current_stream().wait_stream(stream)
+        if self._instance_comm_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._instance_comm_stream)
 
     def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         with self._instance_stream():

@@ -18,7 +18,7 @@
   back, and ``step()`` returns ``(False, None, None)`` everywhere (a partial skip would hang
   the distributed optimizer's parameter all-gather). After a given-up sync the data-parallel
   groups are rebuilt (``stability.regroup``) before anything else runs on them.
-  ``last_verdict`` says what was decided; ``on_skip`` callbacks hear of every drop.
+  ``take_verdict()`` says what the last step decided (once); ``on_skip`` callbacks hear of every drop.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class HiggsOptimizer(MegatronOptimizer):
         self.on_skip: list[Callable[[Verdict], None]] = []
         self.decision = StepDecision()
         """Replaced by a store-voting one when the sync's waits are bounded (``--higgs-step-timeout``)."""
-        self.last_verdict: Verdict | None = None
+        self._verdict: Verdict | None = None
         self.regroup_seconds = 0.0
         for chunk in self.model_chunks:
             chunk.track_nonfinite(True)
@@ -96,8 +96,14 @@ class HiggsOptimizer(MegatronOptimizer):
                                     flag.device if flag is not None else collective_device())
 
     @torch.no_grad()
+    def take_verdict(self) -> Verdict | None:
+        """The last step's decision, once: None when no step decided since the last call (a
+        caller that reads after each attempt never sees a stale one)."""
+        verdict, self._verdict = self._verdict, None
+        return verdict
+
     def step(self):
-        verdict = self.last_verdict = self._decide()
+        verdict = self._verdict = self._decide()
         if verdict.keep:
             return self.inner.step()
         self.skipped_steps += 1
@@ -107,7 +113,7 @@ class HiggsOptimizer(MegatronOptimizer):
             self.regroup_seconds = rebuild_process_groups(
                 self.model_chunks, [megatron for megatron, _ in torch_optimizers(self.inner)], store,
                 vote.attempt if vote is not None else self.skipped_steps,
-                self.model_chunks[0].sync_timeout or 60.0)
+                (self.model_chunks[0].sync_timeout if self.model_chunks else None) or 60.0)
         for chunk in self.model_chunks:
             chunk.rollback_residuals()
             chunk.zero_grad_buffer()

@@ -183,17 +183,22 @@ def test_two_optimizer_instances_dense_equals_megatron_and_compressed_keeps_repl
     assert losses[20] < losses[1] and losses[20] != outs[-1]["losses"]["megatron-20"][20]  # it compressed
 
 
-def test_one_rank_per_optimizer_instance_under_auto(tiny_gpt_args):
+def test_one_rank_per_optimizer_instance_under_auto(tiny_gpt_args, tmp_path):
     """DP=2 as two instances of one rank: the instance's collectives move nothing, and 'auto',
-    told a slow link, compresses across the instances (replicas equal, the run not dense's)."""
+    told a slow link, compresses across the instances (replicas equal; the bytes handed to
+    collectives at most 1/20 of dense's)."""
+    import json
+
     base = tiny_gpt_args + ["--global-batch-size", "8", "--use-distributed-optimizer", "--train-iters", "8",
                             "--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce"]
     variants = {"megatron": base, "none": base + ["--use-higgs", "--higgs-compressor", "none"],
                 "auto-slow": base + ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-link-gbps", "0.1",
-                                     "--higgs-min-bucket-numel", "0"]}
+                                     "--higgs-min-bucket-numel", "0", "--log-interval", "8",
+                                     "--log-json", str(tmp_path / "auto.jsonl")]}
     outs = run_ranks(train_variants, 2, args=(variants,), timeout=400)
     for name, value in outs[0]["params"]["none"].items():
         assert torch.equal(value, outs[0]["params"]["megatron"][name]), name
     for name, value in outs[0]["params"]["auto-slow"].items():
         assert torch.equal(value, outs[1]["params"]["auto-slow"][name]), f"DP replicas differ at {name}"
-    assert outs[-1]["losses"]["auto-slow"] != outs[-1]["losses"]["megatron"]
+    last = [r for r in map(json.loads, open(tmp_path / "auto.jsonl")) if r["type"] == "iteration"][-1]
+    assert last["bytes_sent"] <= last["dense_bytes"] / 20, last

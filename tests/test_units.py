@@ -56,12 +56,12 @@ def test_coverage_needs_every_element_tiled_and_the_same_global_shape():
 
 def test_vocabulary_padding_rows_are_clipped_to_what_both_shapes_hold():
     from higgs_megatron.checkpoint.validation import vocab_differences
-    from higgs_megatron.checkpoint.vocab import VocabPadding, padded_rows, recorded_vocab, vocab_record
+    from higgs_megatron.checkpoint.vocab import divisor_keeping, padded_rows, recorded_vocab, vocab_record
 
     assert [padded_rows(257, 128, tp) for tp in (1, 2, 4)] == [384, 512, 512]
-    assert VocabPadding(257, 512, 128).divisor_keeping(1) == 256
-    assert VocabPadding(257, 384, 128).divisor_keeping(2) == 192  # the smallest not below the saved divisor
-    assert VocabPadding(257, 384, 128).divisor_keeping(4) is None  # 384 rows at TP=4 need a divisor of 96
+    assert divisor_keeping(vocab_record(257, 128, 2), 1) == 256
+    assert divisor_keeping(vocab_record(257, 128, 1), 2) == 192  # the smallest not below the saved divisor
+    assert divisor_keeping(vocab_record(257, 128, 1), 4) is None  # 384 rows at TP=4 need a divisor of 96
     key = "optimizer.state.exp_avg.embedding.word_embeddings.weight"
     saved = _manifest([[ShardRecord(key, [512, 8], [0, 0], [256, 8])], [ShardRecord(key, [512, 8], [256, 0], [256, 8])]])
     # TP=1 needs 384 rows, TP=4 (divisor 64) needs 256 per rank of 1024: past 512, nothing is read

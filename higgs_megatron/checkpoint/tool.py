@@ -17,13 +17,14 @@ no model, no tensor loaded. It serves checkpoints of both front-ends (our pretra
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .manifest import MANIFEST_NAME, CheckpointError, Layout, Manifest, ShardRecord
+from .load import choose_checkpoint
 from .save import LATEST, MEGATRON_LM_TRACKER, checkpoint_name, committed_checkpoints
 from .validation import layout_differences, uncovered_shards, verify_files, vocab_differences
-from .vocab import VocabPadding, padding_changes, recorded_vocab, vocab_record
+from .vocab import padding_changes, recorded_vocab, vocab_record
 
 
 def _pointers(save_dir: Path) -> dict[str, str]:
@@ -34,28 +35,24 @@ def _pointers(save_dir: Path) -> dict[str, str]:
 def checkpoint_paths(directory: str | Path, version: int | None = None,
                      every: bool = False) -> list[Path]:
     """The committed checkpoints ``directory`` names: itself when it holds a rank map; else, in a
-    save directory, iteration ``version``, or every committed one (``every``), or the one a
-    resume would load (the pointer's when committed, else the newest)."""
+    save directory, every committed one (``every``, or only ``version``), or the one a resume
+    would load (``load.choose_checkpoint``, by whichever front-end's pointer is there)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such directory")
     if (directory / MANIFEST_NAME).exists() or directory.name.startswith("iter_"):
         Manifest.read(directory)  # a clear error when it was never committed
         return [directory]
-    committed = committed_checkpoints(directory)
-    if version is not None:
-        if version not in committed:
-            raise CheckpointError(f"--version {version}: {directory / checkpoint_name(version)} is not a committed "
-                                  f"checkpoint (committed: {', '.join(map(str, committed)) or 'none'})")
-        return [directory / checkpoint_name(version)]
-    if not committed:
+    if every and version is None:
+        committed = committed_checkpoints(directory)
+        if committed:
+            return [directory / checkpoint_name(i) for i in committed]
+    pointer = LATEST if (directory / LATEST).is_file() or not (directory / MEGATRON_LM_TRACKER).is_file() \
+        else MEGATRON_LM_TRACKER
+    path, _ = choose_checkpoint(directory, version, pointer=pointer)
+    if path is None:
         raise CheckpointError(f"{directory}: no committed checkpoint (no iter_* directory with a {MANIFEST_NAME})")
-    if every:
-        return [directory / checkpoint_name(i) for i in committed]
-    for text in _pointers(directory).values():
-        if text.isdigit() and int(text) in committed:
-            return [directory / checkpoint_name(int(text))]
-    return [directory / checkpoint_name(committed[-1])]
+    return [path]
 
 
 def _layout_text(layout: Layout) -> str:
@@ -132,10 +129,13 @@ def plan(directory: str | Path, target: Layout, version: int | None = None,
          divisible_by: int | None = None, vocab_size: int | None = None) -> Plan:
     """Would the chosen checkpoint load at ``target``? ``divisible_by`` is the target's
     ``--make-vocab-size-divisible-by`` (default: the saved one); ``vocab_size`` the true
-    vocabulary size, for a checkpoint whose rank map does not record it."""
+    vocabulary size, for a checkpoint whose rank map does not record it. A target whose
+    ``use_distributed_optimizer`` is None takes the saved one."""
     path = checkpoint_paths(directory, version)[0]
     manifest = Manifest.read(path)
     saved = manifest.layout
+    if target.use_distributed_optimizer is None:
+        target = replace(target, use_distributed_optimizer=saved.use_distributed_optimizer)
     differences = layout_differences(saved, target)
     result = Plan(path=str(path), saved=asdict(saved), target=asdict(target), differences=differences,
                   same_sharding=not differences, reshard=True)
@@ -158,10 +158,7 @@ def plan(directory: str | Path, target: Layout, version: int | None = None,
         if padding:
             result.same_sharding = False
             result.differences = differences + padding
-            saved_padding = VocabPadding(saved_vocab["vocab_size"], saved_vocab["padded_vocab_size"],
-                                         saved_vocab["make_vocab_size_divisible_by"])
-            result.reshaped = [change.describe() for change in padding_changes(
-                manifest, saved_padding, target.tensor_model_parallel_size, now_vocab["make_vocab_size_divisible_by"])]
+            result.reshaped = [change.describe() for change in padding_changes(manifest, saved_vocab, now_vocab)]
     if result.differences:
         result.resets.append("RNG states: reseeded from --seed plus the iteration")
         if manifest.higgs is not None and manifest.higgs.get("error_feedback", True):

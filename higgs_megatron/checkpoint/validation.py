@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from .manifest import CheckpointError, FileRecord, Layout, Manifest, ShardRecord, sha256_of
-from .vocab import VocabPadding, is_vocab_key
+from .vocab import divisor_keeping, is_vocab_key
 
 RECOVERY_MODES = ("same-sharding", "reshard")
 
@@ -57,8 +57,7 @@ def vocab_differences(saved: dict | None, now: dict | None, tensor_model_paralle
                               f"rows, now {now['vocab_size']} tokens (another tokenizer); no --recovery-mode loads it")
     if saved["padded_vocab_size"] == now["padded_vocab_size"]:
         return []
-    padding = VocabPadding(saved["vocab_size"], saved["padded_vocab_size"], saved["make_vocab_size_divisible_by"])
-    keeping = padding.divisor_keeping(tensor_model_parallel_size)
+    keeping = divisor_keeping(saved, tensor_model_parallel_size)
     hint = (f"--make-vocab-size-divisible-by {keeping} would keep {saved['padded_vocab_size']}" if keeping else
             f"no --make-vocab-size-divisible-by keeps {saved['padded_vocab_size']} at this tensor-parallel size")
     return [f"padded vocabulary: checkpoint {saved['padded_vocab_size']} rows, now {now['padded_vocab_size']} "

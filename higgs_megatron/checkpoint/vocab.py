@@ -48,24 +48,14 @@ def is_vocab_key(key: str) -> bool:
     return key.endswith(VOCAB_SUFFIXES)
 
 
-@dataclass(frozen=True)
-class VocabPadding:
-    vocab_size: int
-    saved_rows: int
-    divisible_by: int | None  # the saved --make-vocab-size-divisible-by, when recorded
-
-    def target_rows(self, tensor_model_parallel_size: int, divisible_by: int | None = None) -> int:
-        divisor = divisible_by or self.divisible_by or 128  # Megatron-LM's default
-        return padded_rows(self.vocab_size, divisor, tensor_model_parallel_size)
-
-    def divisor_keeping(self, tensor_model_parallel_size: int) -> int | None:
-        """The smallest ``--make-vocab-size-divisible-by`` (not below the saved one) that keeps
-        the saved padded size at this TP; None when none does."""
-        start = self.divisible_by or 1
-        for divisor in range(start, self.saved_rows // tensor_model_parallel_size + 1):
-            if padded_rows(self.vocab_size, divisor, tensor_model_parallel_size) == self.saved_rows:
-                return divisor
-        return None
+def divisor_keeping(saved: dict, tensor_model_parallel_size: int) -> int | None:
+    """The smallest ``--make-vocab-size-divisible-by`` (not below the saved one, when recorded)
+    that keeps the saved record's padded rows at this TP; None when none does."""
+    rows = saved["padded_vocab_size"]
+    for divisor in range(saved["make_vocab_size_divisible_by"] or 1, rows // tensor_model_parallel_size + 1):
+        if padded_rows(saved["vocab_size"], divisor, tensor_model_parallel_size) == rows:
+            return divisor
+    return None
 
 
 @dataclass(frozen=True)
@@ -81,12 +71,10 @@ class PaddingChange:
                 f"(the first {self.vocab_size} are the vocabulary; {how})")
 
 
-def padding_changes(manifest: Manifest, padding: VocabPadding, tensor_model_parallel_size: int,
-                    divisible_by: int | None = None) -> list[PaddingChange]:
-    """The saved tensors whose padded row count differs at the target TP (and divisor)."""
-    target = padding.target_rows(tensor_model_parallel_size, divisible_by)
-    if target == padding.saved_rows:
+def padding_changes(manifest: Manifest, saved: dict, now: dict) -> list[PaddingChange]:
+    """The saved tensors whose padded rows differ between two vocabulary records."""
+    rows, target = saved["padded_vocab_size"], now["padded_vocab_size"]
+    if target == rows:
         return []
-    keys = sorted({s.key for r in manifest.ranks for s in r.shards
-                   if is_vocab_key(s.key) and s.global_shape[0] == padding.saved_rows})
-    return [PaddingChange(key, padding.saved_rows, target, padding.vocab_size) for key in keys]
+    keys = sorted({s.key for r in manifest.ranks for s in r.shards if is_vocab_key(s.key) and s.global_shape[0] == rows})
+    return [PaddingChange(key, rows, target, saved["vocab_size"]) for key in keys]

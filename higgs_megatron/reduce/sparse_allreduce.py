@@ -82,9 +82,8 @@ class PendingSparseReduce:
             self.work = None
 
     def give_up(self, waiter) -> None:
-        """The step's sync was given up: hand the gather to ``waiter`` (which keeps it for the
-        drain) and read nothing of it (its positions may be any bytes)."""
-        self.wait(waiter)
+        """The step's sync was given up: nothing more goes out (the gather, its one collective,
+        went to ``wait``) and nothing of it is read (its positions may be any bytes)."""
 
     def finish(self, waiter=None) -> None:
         self.wait(waiter)
@@ -158,7 +157,6 @@ class PendingHierarchical:
     def give_up(self, waiter) -> None:
         """As ``PendingSparseReduce.give_up``, but the node's all-gather still goes out: every
         rank of the node issues it (what it carries is not used)."""
-        self.sparse.give_up(waiter)
         if self.gather:
             waiter(dist.all_gather_into_tensor(self.work, self.piece, group=self.intra, async_op=True))
 

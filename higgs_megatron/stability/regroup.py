@@ -71,8 +71,11 @@ def kill_stuck_on_this_host(store: dist.Store, ranks: Iterable[int]) -> list[int
     handling loop does not act on SIGTERM: this saves the restart that time."""
     host, killed = socket.gethostname(), []
     for rank in ranks:
-        try:
-            where, pid = store.get(f"process/{rank}").decode().rsplit(" ", 1)
+        key = f"process/{rank}"
+        try:  # check first: a TCPStore's get of a missing key waits out the store's timeout
+            if not store.check([key]):
+                continue
+            where, pid = store.get(key).decode().rsplit(" ", 1)
         except Exception:  # noqa: BLE001 - never published, or the store is gone
             continue
         pid = int(pid)

@@ -338,7 +338,8 @@ class Trainer:
             self.checkpointer.before_update()  # an async save's host copy must be done first
         with self.resilience.bounded():
             update_successful, grad_norm, _ = self.optimizer.step()
-        if self.resilience.realigned(iteration, getattr(self.optimizer, "last_verdict", None),
+        take_verdict = getattr(self.optimizer, "take_verdict", None)  # without --use-higgs: no decision
+        if self.resilience.realigned(iteration, take_verdict() if take_verdict else None,
                                      getattr(self.optimizer, "regroup_seconds", 0.0)):
             return None, None, None
         if update_successful:

@@ -106,10 +106,9 @@ class StepRunner:
         while True:
             fault = self.resilience.begin(self.iteration)
             step = replay.forward_step(forward_step_func, poison=fault is not None and fault.kind == "nan")
-            optimizer.last_verdict = None  # Megatron-LM's rerun machinery may return before the step
             with self.resilience.bounded():
                 result = original(step, data_iterator, model, optimizer, *args, **kwargs)
-            if not self.resilience.realigned(self.iteration, optimizer.last_verdict, optimizer.regroup_seconds):
+            if not self.resilience.realigned(self.iteration, optimizer.take_verdict(), optimizer.regroup_seconds):
                 return result
             replay.rewind()
 
