@@ -4,13 +4,13 @@
 # gpu_check.json under --out (default runs/gpu_check). Arguments go to scripts/gpu_check.py.
 #
 # It uses the torch already installed ($PYTHON, default python3): a GPU machine has its own
-# CUDA build, so nothing here installs torch. megatron-core 0.16.1 and psutil are installed
+# CUDA build, so nothing here installs torch. megatron-core 0.16.1, psutil and einops are installed
 # if missing, without their dependencies; on a machine without a package index, point
 # WHEELS at a folder holding their wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-for requirement in megatron-core==0.16.1 psutil; do
+for requirement in megatron-core==0.16.1 psutil einops; do
   module=${requirement%%==*}; module=${module/megatron-core/megatron.core}
   if ! "$python" -c "import $module" 2>/dev/null; then
     "$python" -m pip install --quiet --disable-pip-version-check --no-deps ${WHEELS:+--no-index --find-links "$WHEELS"} "$requirement"
