@@ -34,14 +34,16 @@ def higgs_flags(density: float, train_iters: int, dense_iters: int | None = None
     return flags + (["--higgs-freeze-adam-variance"] if dense_iters else [])
 
 
-def run_pretrain(flags: Sequence[str], log_json: Path, nproc: int, quiet: bool = False) -> None:
-    """One training job; raises CalledProcessError if it fails."""
+def run_pretrain(flags: Sequence[str], log_json: Path, nproc: int, quiet: bool = False,
+                 script: str = "examples/pretrain_gpt.py") -> None:
+    """One training job of ``script`` (the pretrain script, or a peer taking its flags); raises
+    CalledProcessError if it fails."""
     log_json.parent.mkdir(parents=True, exist_ok=True)
     log_json.unlink(missing_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "examples" / "pretrain_gpt.py"), *flags, "--log-json", str(log_json)]
+               str(REPO / script), *flags, "--log-json", str(log_json)]
     setup_logging()
-    log.info(f"$ torchrun --nproc_per_node {nproc} examples/pretrain_gpt.py {' '.join(flags)}")
+    log.info(f"$ torchrun --nproc_per_node {nproc} {script} {' '.join(flags)}")
     subprocess.run(command, check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.DEVNULL if quiet else None)
 
@@ -65,6 +67,8 @@ def summarize(log_json: Path) -> dict:
         "dense bytes per step": statistics.median(r["dense_bytes"] for r in steady),
         "compression time (ms)": statistics.median(r.get("compression_time_ms", 0.0) for r in steady),
         "bytes sent per step at the end": iterations[-1]["bytes_sent"],  # after any warm-up
+        # Each record holds its window's per-step bytes: scaled by the steps the records stand for.
+        "bytes over the run": sum(r["bytes_sent"] for r in iterations) * iterations[-1]["iteration"] / len(iterations),
         "traffic over the run vs dense": _ratio(sum(r["bytes_sent"] for r in iterations),
                                                 sum(r["dense_bytes"] for r in iterations)),
     }
@@ -95,7 +99,7 @@ def markdown_table(rows: dict[str, dict], columns: Sequence[str], baseline: str 
             elif "loss" in column:
                 cells.append(f"{value:.4f}")
             elif "bytes" in column:
-                cells.append(f"{value / 1e6:.3f} MB")
+                cells.append(f"{value / 1e9:.2f} GB" if value >= 1e9 else f"{value / 1e6:.3f} MB")
             elif isinstance(value, float):
                 cells.append(f"{value:,.1f}")
             else:

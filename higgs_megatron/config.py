@@ -16,6 +16,7 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, field
 
+from .compress.payload import PAYLOADS
 from .field_flags import add_field_flags, field_flag, field_values
 from .field_flags import flag_metadata as _flag
 from .given_flags import flags_given
@@ -69,6 +70,22 @@ class HiggsConfig:
     update is linear in the gradient and error feedback's delayed bursts arrive in full
     (``frozen_variance``, 1-bit Adam's remedy). Needs torch's AdamW."""
 
+    payload: str = field(default="wide", metadata=_flag(
+        "--higgs-payload", "wire format of the compressed payload: wide (int32 positions, the gradient's dtype), "
+        "bf16 (16-bit block offsets, bf16 values), int8 (16-bit block offsets, int8 values with a scale per "
+        "parameter)", choices=PAYLOADS))
+    """The compressed payload's wire format (``compress.payload``): 'wide' sends int32 positions
+    and values in the gradient's dtype; 'bf16' 16-bit offsets within 64Ki-coordinate blocks and
+    bf16 values (half the bytes in fp32); 'int8' the same offsets and int8 values with one scale
+    per parameter. The rounding goes into the error-feedback residual."""
+
+    dense_bf16: bool = field(default=False, metadata=_flag(
+        "--higgs-dense-bf16", "send the dense steps of compressed buckets (the dense stage, a ramp's early steps) in "
+        "bf16, the rounding kept in the error-feedback residual", action="store_true"))
+    """Reduce a compressed bucket's dense steps in bf16 (``reduce.cast_reduce``): half the bytes
+    of an fp32 gradient. The rounding goes into the error-feedback residual; buckets without a
+    residual (small ones, compressor 'none') and several optimizer instances keep the gradient's dtype."""
+
     min_param_numel: int = field(default=1024, metadata=_flag(
         "--higgs-min-param-numel", "parameters smaller than this are sent in full", type=int))
     """Parameters smaller than this (biases, layer norms) are sent in full every step."""
@@ -101,6 +118,8 @@ class HiggsConfig:
         if self.compressor not in COMPRESSORS:
             raise ConfigError("compressor",
                               f"compressor must be one of {', '.join(COMPRESSORS)}; got {self.compressor!r}")
+        if self.payload not in PAYLOADS:
+            raise ConfigError("payload", f"payload must be one of {', '.join(PAYLOADS)}; got {self.payload!r}")
         if self.sync not in SYNC_MODES:
             raise ConfigError("sync", f"sync must be one of {', '.join(SYNC_MODES)}; got {self.sync!r}")
         for name in ("link_gbps", "node_link_gbps"):
@@ -114,6 +133,9 @@ class HiggsConfig:
         for name in ("density_warmup_iters", "dense_iters", "min_param_numel", "min_bucket_numel"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.dense_bf16 and (not self.error_feedback or self.compressor == "none"):
+            raise ConfigError("dense_bf16", "dense_bf16 keeps its rounding in the error-feedback residual: it needs "
+                              "error feedback and a compressor other than 'none'")
         if self.freeze_adam_variance and self.dense_iters == 0:
             raise ConfigError("freeze_adam_variance", "freeze_adam_variance needs dense_iters > 0: the frozen second "
                               "moment is the one Adam learned in the dense stage")

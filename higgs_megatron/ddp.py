@@ -15,7 +15,8 @@ Per bucket group, per step (once, on the accumulated gradient, never per micro-b
 1. Megatron's scaling (``gradient_scaling_factor``) and NaN checks, as before.
 2. For each bucket, a path: *dense* (Megatron's own all-reduce, or reduce-scatter with
    the distributed optimizer), *sparse* (``compress.compressor`` -> ``reduce.sparse_allreduce``)
-   or *hierarchical* (``reduce.hierarchical``). Under ``sync="auto"`` the path is the one
+   or *hierarchical* (``reduce.hierarchical``); with ``--higgs-dense-bf16``, a compressed
+   bucket's dense steps reduce a bf16 copy (``reduce.cast_reduce``). Under ``sync="auto"`` the path is the one
    ``cost_model`` predicts fastest from costs measured at construction (``reduce.link_probe``)
    and agreed by all DP ranks. The path depends only on the config, those agreed costs, the
    bucket and the step's density, so every DP peer issues the same collectives in the same
@@ -70,6 +71,7 @@ from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
 from .device import DeviceTimer
+from .reduce.cast_reduce import PendingCastReduce, launch_cast_reduce
 from .reduce.link_probe import measure_link_costs
 from .stability.regroup import peer_lost
 from .reduce.sparse_allreduce import (PendingHierarchical, PendingSparseReduce, launch_hierarchical,
@@ -184,7 +186,8 @@ class _GroupHandle:
     aborted communicator) by the time every rank has voted. The step's decision drops the step
     on every rank, which then rebuild the data-parallel groups (``stability.regroup``)."""
 
-    def __init__(self, dense_works: list[Any], sparse: list[PendingSparseReduce], average_over: int,
+    def __init__(self, dense_works: list[Any],
+                 sparse: list[PendingSparseReduce | PendingHierarchical | PendingCastReduce], average_over: int,
                  on_done, shared: _Shared) -> None:
         self.dense_works = dense_works
         self.sparse = sparse
@@ -342,15 +345,32 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                         sums.append(pending.piece.sum(dtype=torch.float32))
                 continue
             if path == "dense":
+                # bf16 on the wire: a whole-bucket residual holds the rounding (see reduce.cast_reduce)
+                cast = (shared.config.dense_bf16 and residual is not None and self.higgs_buckets[idx].slice is None
+                        and shared.instances == 1 and not force_all_reduce)
+                wire = None
                 if residual is not None:  # a hierarchical form's residual covers this rank's slice
                     lo, hi = self.higgs_buckets[idx].slice or (0, grad.numel())
                     with shared.compress_timer.measure(grad.device):
                         residual.accumulate(grad.narrow(0, lo, hi - lo))
-                        residual.stage_all_sent()
-                stats.bytes_sent += grad.numel() * grad.element_size()
+                        if cast:
+                            wire = grad.to(torch.bfloat16)
+                            residual.stage_rounded(grad, wire)
+                        else:
+                            residual.stage_all_sent()
                 stats.dense_buckets += 1
                 if sums is not None:
                     sums.append(grad.sum(dtype=torch.float32))
+                if wire is not None:
+                    stats.bytes_sent += wire.numel() * wire.element_size()
+                    shard = (self.intra_distributed_optimizer_instance_rank
+                             if self.ddp_config.use_distributed_optimizer else None)
+                    pending = shared.launch(lambda: launch_cast_reduce(
+                        grad, wire, group, shard, async_op, bounded=shared.sync_timeout is not None))
+                    if pending is not None:
+                        sparse.append(pending)
+                    continue
+                stats.bytes_sent += grad.numel() * grad.element_size()
                 dense_works.append(shared.launch(lambda: self._launch_dense(idx, grad, reduce_op, group, async_op,
                                                                           force_all_reduce)))
                 continue
@@ -363,8 +383,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if sums is not None:
                 sums.append(grad.sum(dtype=torch.float32))
             pending = shared.launch(lambda: launch_sparse_allreduce(
-                sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions, sparse_grad.values, grad,
-                group, async_op=async_op))
+                sparse_grad, plan.payload, plan.layout(density), grad, group, async_op=async_op))
             if pending is not None:
                 sparse.append(pending)
         if sums is not None:
@@ -393,9 +412,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         node_bytes = (1 if nodes.instances else 2) * (work.numel() - piece.numel()) * work.element_size()
         stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
         stats.sparse_buckets += 1
-        return launch_hierarchical(sparse_grad.always_positions, sparse_grad.always, sparse_grad.positions,
-                                   sparse_grad.values, work, piece, grad, nodes.intra, nodes.inter, async_op,
-                                   gather=not nodes.instances)
+        return launch_hierarchical(sparse_grad, plan.payload, plan.layout(density), work, piece, grad, nodes.intra,
+                                   nodes.inter, async_op, gather=not nodes.instances)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:

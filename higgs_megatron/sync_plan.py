@@ -12,7 +12,8 @@ For each gradient bucket, ``plan_bucket`` decides once, at construction:
 
 Under ``sync="auto"``, ``choose_form`` keeps the form the cost model predicts cheaper at the
 target density; then ``path_at`` gives the path of each step (``dense`` or the form), from the
-agreed link costs, cached per density. Every input is the same on every DP peer, so every peer
+agreed link costs, cached per density. Under every mode a step whose payload would not be
+smaller than the dense gradient goes dense (the early steps of a density ramp). Every input is the same on every DP peer, so every peer
 plans the same paths and issues the same collectives with the same sizes.
 """
 
@@ -54,7 +55,8 @@ class BucketPaths:
     candidates: dict[str, BucketPlan]
     slice: tuple[int, int] | None  # this rank's [start, end) of the bucket, with a hierarchical form
     ranks_per_node: int = 1
-    paths: dict[float, str] = field(default_factory=dict)  # density -> path, under 'auto'
+    dense_bf16: bool = False  # its dense steps go in bf16 (a whole-bucket residual keeps the rounding)
+    paths: dict[float, str] = field(default_factory=dict)  # density -> path
 
     @property
     def form(self) -> str | None:
@@ -93,7 +95,7 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
         forms = ("hierarchical",)
     candidates: dict[str, BucketPlan] = {}
     if "sparse" in forms:
-        candidates["sparse"] = BucketPlan(numel, slots, config.min_param_numel, device)
+        candidates["sparse"] = BucketPlan(numel, slots, config.min_param_numel, device, config.payload)
     hierarchy = nodes is not None and (config.sync == "hierarchical" or instances
                                        or (nodes.nodes > 1 and nodes.ranks_per_node > 1))
     piece = None
@@ -101,10 +103,11 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
         lo, hi = slice_range(numel, nodes.ranks_per_node, nodes.local_index)
         candidates["hierarchical"] = BucketPlan(
             hi - lo, [ParamSlot(max(s.start, lo) - lo, min(s.end, hi) - lo) for s in slots
-                      if s.end > lo and s.start < hi], config.min_param_numel, device)
+                      if s.end > lo and s.start < hi], config.min_param_numel, device, config.payload)
         piece = (min(lo, numel), min(hi, numel))  # a tiny bucket's last slice may start past its end
     return BucketPaths(name=name, numel=numel, dtype=dtype, candidates=candidates, slice=piece,
-                       ranks_per_node=nodes.ranks_per_node if nodes is not None else 1)
+                       ranks_per_node=nodes.ranks_per_node if nodes is not None else 1,
+                       dense_bf16=config.dense_bf16 and not instances and dtype.itemsize > 2)
 
 
 def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:
@@ -117,18 +120,34 @@ def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:
         bucket.candidates = {form: bucket.candidates[form]}
         if form != "hierarchical":
             bucket.slice = None
-        entry["path"] = cheapest(predicted, allowed=("dense", form))
+        entry["path"] = cheapest(predicted, allowed=("dense", form)) if smaller_than_dense(bucket, density) else "dense"
         entry["predicted_ms"] = {path: round(seconds * 1e3, 3) for path, seconds in predicted.items()}
     return entry
 
 
+def smaller_than_dense(bucket: BucketPaths, density: float) -> bool:
+    """Whether the form's payload at ``density`` is smaller than what a dense sync hands the same
+    collective for the same coordinates (the bucket, or the slice of a hierarchical form), in
+    bf16 where its dense steps go in bf16."""
+    plan = bucket.plan
+    itemsize = 2 if bucket.dense_bf16 and bucket.slice is None else bucket.dtype.itemsize
+    return plan.payload_bytes(density, bucket.dtype) < plan.numel * itemsize
+
+
 def path_at(bucket: BucketPaths, density: float, costs: LinkCosts | None) -> str:
-    """The bucket's path at ``density``: its form under 'sparse'/'hierarchical', the cheaper of
-    dense and its form under 'auto' (``costs`` given), dense when it has no form."""
+    """The bucket's path at ``density``: dense when it has no form, or when its payload would not
+    be smaller than the dense gradient (whatever the sync mode: a density ramp's early steps
+    would otherwise send more than dense); else its form under 'sparse'/'hierarchical', and
+    the cheaper of dense and its form under 'auto' (``costs`` given)."""
     form = bucket.form
-    if form is None or costs is None:
-        return form or "dense"
+    if form is None:
+        return "dense"
     if density not in bucket.paths:
-        predicted = predict(costs, bucket.shape(density, (form,)))
-        bucket.paths[density] = cheapest(predicted, allowed=("dense", form))
+        if not smaller_than_dense(bucket, density):
+            bucket.paths[density] = "dense"
+        elif costs is None:
+            bucket.paths[density] = form
+        else:
+            predicted = predict(costs, bucket.shape(density, (form,)))
+            bucket.paths[density] = cheapest(predicted, allowed=("dense", form))
     return bucket.paths[density]

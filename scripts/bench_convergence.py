@@ -1,20 +1,27 @@
-"""Convergence of top-k with and without error feedback against dense Megatron DDP.
+"""Convergence and bytes over a whole run: compressed schedules against dense Megatron DDP and the peer.
 
-Trains the same GPT on the default corpus three times (same seed, data and iterations):
-Megatron's own DDP, ``--use-higgs`` top-k at 1% with error feedback, and the same without
-error feedback. Both compressed runs take the same schedule: dense for the first quarter of
-the iterations (``--higgs-dense-iters``), Adam's second moment frozen as that ends
-(``--higgs-freeze-adam-variance``), then density from 1 to the target over the next third
-(``--higgs-density-warmup-iters``). Writes ``convergence.md`` (final validation loss, ratio
-to dense, bytes per step at the end and over the whole run) and ``convergence.png`` (the
-validation-loss curves) into ``--out``. ``--runs dense,ef`` leaves out the run without error
-feedback, which a long run on CPU may spare.
+Trains the same GPT on the default corpus (same seed, data and iterations), each run a job of
+its own, and compares, per run: the final validation loss, bytes handed to collectives over
+the whole run and per step at the end, and tokens/s. The runs (``--runs``, in this order):
 
-The default is the long run, 9,600 iterations, where 1% with error feedback ends within 2%
-of dense (about 40 minutes per run on a 2-core CPU); ``--train-iters 600`` is a quick look,
-where it does not (1.04x).
+* ``dense``: Megatron's own DDP, fp32 (the baseline of every ratio);
+* ``peer``: PyTorch DDP with its fp16 compression hook (``scripts/peer_torch_ddp.py``): the
+  one-line option a user would pick instead, at half the bytes;
+* ``ef``: ``--use-higgs`` top-k at ``--density`` with error feedback, the benchmark's schedule
+  since the first release: dense for the first quarter of the iterations, Adam's second moment
+  frozen as that ends, density from 1 to the target over the next third, wide payload;
+* ``lean``: the schedule for fewer bytes (``--lean-*`` flags): a dense stage sent in bf16 up to
+  the end of the learning-rate warm-up, a short ramp, and a compact payload;
+* ``no-ef``: ``ef`` without error feedback.
 
-    python scripts/bench_convergence.py [--train-iters 9600] [--nproc 2] [--runs dense,ef,no-ef]
+Writes ``convergence.md`` and ``convergence.png`` (the validation-loss curves, and each run's
+loss ratio against its bytes over the run) into ``--out``. ``--also LOG=NAME`` adds the JSONL
+log of another run (an experiment) to the table and the plot.
+
+The default is the long run, 9,600 iterations (about 40 minutes per run on a 2-core CPU);
+``--train-iters 2400`` is the short one.
+
+    python scripts/bench_convergence.py [--train-iters 9600] [--nproc 2] [--runs dense,peer,ef,lean]
                                         [--out runs/convergence]
 """
 
@@ -27,9 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from higgs_megatron.benchmarks import (REPO, higgs_flags, markdown_table, run_pretrain, summarize,  # noqa: E402
                                        validation_curve)
+from higgs_megatron.compress.payload import PAYLOADS  # noqa: E402
 
 
-RUNS = ("dense", "ef", "no-ef")
+RUNS = ("dense", "peer", "ef", "lean", "no-ef")
 
 
 def runs_list(value: str) -> list[str]:
@@ -41,16 +49,42 @@ def runs_list(value: str) -> list[str]:
     return runs
 
 
+def lean_flags(args: argparse.Namespace) -> list[str]:
+    """``--use-higgs`` with the ``lean`` schedule (see the module docstring)."""
+    warmup = args.train_iters // 10  # the pretrain script's learning-rate warm-up
+    dense = warmup if args.lean_dense_iters is None else args.lean_dense_iters
+    ramp = warmup if args.lean_ramp_iters is None else args.lean_ramp_iters
+    flags = ["--use-higgs", "--higgs-compression-ratio", f"{args.lean_density:g}", "--higgs-sync", "sparse",
+             "--higgs-payload", args.lean_payload, "--higgs-dense-iters", str(dense),
+             "--higgs-density-warmup-iters", str(ramp)]
+    return flags + (["--higgs-freeze-adam-variance", "--higgs-dense-bf16"] if dense else [])
+
+
+def also_log(value: str) -> tuple[Path, str]:
+    log, _, name = value.partition("=")
+    if not name or not Path(log).is_file():
+        raise argparse.ArgumentTypeError(f"expected LOG=NAME with LOG an existing JSONL log, got {value!r}")
+    return Path(log), name
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train-iters", type=int, default=9600)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--dense-iters", type=int, default=None, help="default: a quarter of --train-iters")
-    parser.add_argument("--density-warmup-iters", type=int, default=None, help="default: a third of --train-iters")
+    parser.add_argument("--density", type=float, default=0.01, help="the ef and no-ef runs' density")
+    parser.add_argument("--dense-iters", type=int, default=None, help="ef, no-ef: default a quarter of --train-iters")
+    parser.add_argument("--density-warmup-iters", type=int, default=None,
+                        help="ef, no-ef: default a third of --train-iters")
+    parser.add_argument("--lean-density", type=float, default=0.05)
+    parser.add_argument("--lean-payload", choices=PAYLOADS, default="int8")
+    parser.add_argument("--lean-dense-iters", type=int, default=None,
+                        help="default: the learning-rate warm-up, a tenth of --train-iters")
+    parser.add_argument("--lean-ramp-iters", type=int, default=None, help="default: a tenth of --train-iters")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
-    parser.add_argument("--runs", default=",".join(RUNS), type=runs_list,
+    parser.add_argument("--runs", default="dense,peer,ef,lean", type=runs_list,
                         help=f"comma-separated, from {', '.join(RUNS)} (dense is needed: the ratios are to it)")
+    parser.add_argument("--also", action="append", default=[], type=also_log, metavar="LOG=NAME",
+                        help="add another run's JSONL log to the table and the plot")
     parser.add_argument("--reuse", action="store_true", help="tabulate the logs already in --out; train nothing")
     parser.add_argument("extra", nargs="*", help="more pretrain flags for every run, after -- (not --higgs-* "
                         "ones: the dense run refuses them; the compressed runs take --density and the schedule flags)")
@@ -60,25 +94,36 @@ def main() -> int:
               "--eval-interval", str(max(1, args.train_iters // 12)), "--eval-iters", "10",
               "--overlap-grad-reduce", "--ddp-bucket-size", "250000", *args.extra]
     higgs = higgs_flags(args.density, args.train_iters, args.dense_iters, args.density_warmup_iters)
+    lean = lean_flags(args)
+    peer = [flag for flag in common if flag != "--overlap-grad-reduce"]  # torch DDP always overlaps
     configurations = {
-        "dense": ("megatron-ddp (dense)", common),
-        "ef": (f"higgs top-k {args.density:g} + error feedback", common + higgs),
-        "no-ef": (f"higgs top-k {args.density:g}, no error feedback", common + higgs + ["--no-higgs-error-feedback"]),
+        "dense": ("megatron-ddp (dense, fp32)", common, "examples/pretrain_gpt.py"),
+        "peer": ("torch DDP + fp16 compression hook", peer + ["--comm-hook", "fp16"], "scripts/peer_torch_ddp.py"),
+        "ef": (f"higgs top-k {args.density:g} + error feedback (the first schedule)", common + higgs,
+               "examples/pretrain_gpt.py"),
+        "lean": (f"higgs top-k {args.lean_density:g}, {args.lean_payload} payload, bf16 dense stage (lean)",
+                 common + lean, "examples/pretrain_gpt.py"),
+        "no-ef": (f"higgs top-k {args.density:g}, no error feedback", common + higgs + ["--no-higgs-error-feedback"],
+                  "examples/pretrain_gpt.py"),
     }
     rows, curves = {}, {}
-    for i, (key, (name, flags)) in enumerate(configurations.items()):
+    for key, (name, flags, script) in configurations.items():
         if key not in args.runs:
             continue
-        log = out / f"run{i}.jsonl"
+        log = out / f"{key}.jsonl"
         if not args.reuse:
-            run_pretrain(flags, log, args.nproc, quiet=True)
+            run_pretrain(flags, log, args.nproc, quiet=True, script=script)
         rows[name], curves[name] = summarize(log), validation_curve(log)
-    dense = next(iter(rows.values()))["final validation loss"]
+    for log, name in args.also:
+        rows[name], curves[name] = summarize(log), validation_curve(log)
+    dense = next(iter(rows.values()))
     for row in rows.values():
-        row["loss vs dense"] = row["final validation loss"] / dense
-    table = markdown_table(rows, ["iterations", "final validation loss", "loss vs dense", "bytes sent per step at the end",
-                                  "traffic over the run vs dense", "tokens/s"], baseline="megatron-ddp (dense)")
-    table = f"Compressed runs: `{' '.join(higgs)}`\n\n{table}"
+        row["loss vs dense"] = row["final validation loss"] / dense["final validation loss"]
+        row["bytes over the run vs dense"] = row["bytes over the run"] / dense["bytes over the run"]
+    table = markdown_table(rows, ["iterations", "final validation loss", "loss vs dense", "bytes over the run",
+                                  "bytes over the run vs dense", "bytes sent per step at the end", "tokens/s"],
+                           baseline=configurations["dense"][0])
+    table = f"ef: `{' '.join(higgs)}`\n\nlean: `{' '.join(lean)}`\n\n{table}"
     (out / "convergence.md").write_text(table + "\n")
     print(table)
     try:
@@ -89,14 +134,24 @@ def main() -> int:
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install 'higgs-megatron[bench]')")
         return 0
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, trade) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, curve in curves.items():
-        ax.plot([c[0] for c in curve], [c[1] for c in curve], marker="o", label=name)
+        ax.plot([c[0] for c in curve], [c[1] for c in curve], marker="o", markersize=3, label=name)
     ax.set_xlabel("iteration")
     ax.set_ylabel("validation loss")
     ax.set_title("GPT on the Python standard library, DP=2, CPU")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
+    for name, row in rows.items():
+        trade.scatter(row["bytes over the run vs dense"], row["loss vs dense"])
+        trade.annotate(name, (row["bytes over the run vs dense"], row["loss vs dense"]), fontsize=6)
+    trade.axvline(0.1, color="grey", linestyle="--", linewidth=0.8)
+    trade.axhline(1.02, color="grey", linestyle="--", linewidth=0.8)
+    trade.set_xscale("log")
+    trade.set_xlabel("bytes over the run vs dense (log)")
+    trade.set_ylabel("final validation loss vs dense")
+    trade.set_title("loss against bytes over the run")
+    trade.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "convergence.png", dpi=120)
     print(f"wrote {out / 'convergence.md'} and {out / 'convergence.png'}")

@@ -67,7 +67,7 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
     args = parse_args(argv)
     records, handed = [], []
     original_compress, original_backward = compressor.compress, schedules.backward_step
-    original_pack = sparse_allreduce.pack
+    original_gather = sparse_allreduce.gather_payloads
 
     def recording_compress(acc, plan, density, selector, key=None):
         accumulated = acc.clone()
@@ -75,10 +75,9 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
         records.append((key, accumulated, sparse, plan, density))
         return sparse
 
-    def recording_pack(*a, **k):  # what each compression hands the all-gather, in bytes
-        payload = original_pack(*a, **k)
+    def recording_gather(payload, *a, **k):  # what each compression hands the all-gather, in bytes
         handed.append(payload.numel() * payload.element_size())
-        return payload
+        return original_gather(payload, *a, **k)
 
     with training_environment(args):
         trainer = Trainer(args)
@@ -99,11 +98,11 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
         trainer.train_step = traced_step
         try:
             compressor.compress, schedules.backward_step = recording_compress, traced_backward
-            sparse_allreduce.pack = recording_pack
+            sparse_allreduce.gather_payloads = recording_gather
             trainer.train()
         finally:
             compressor.compress, schedules.backward_step = original_compress, original_backward
-            sparse_allreduce.pack = original_pack
+            sparse_allreduce.gather_payloads = original_gather
         # sent + residual == accumulated, for the last step's buckets
         assert len(handed) == len(records), (len(handed), len(records))  # one payload per compression
         last = {}
@@ -118,11 +117,11 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
             sent.index_add_(0, sparse.positions, sparse.values)
             conservation.append(bool(torch.equal(sent + residual, accumulated)))
             # Bytes handed to the collective against the dense bucket, over the selected part
-            # (the always-sent small parameters travel dense by design).
+            # (the always-sent small parameters travel whole by design).
             itemsize = accumulated.element_size()
-            always_bytes = plan.n_always * itemsize
+            always_bytes = plan.payload.nbytes(plan.numel, plan.n_always, 0, 0, accumulated.dtype)
             assert nbytes == plan.payload_bytes(density, accumulated.dtype)  # the plan's size is what went out
-            byte_ratios.append((nbytes - always_bytes) / (accumulated.numel() * itemsize - always_bytes))
+            byte_ratios.append((nbytes - always_bytes) / (accumulated.numel() * itemsize - plan.n_always * itemsize))
         out = {"coords": coordinates(), "params": parameters(trainer), "conservation": conservation,
                "byte_ratios": byte_ratios, "trace": list(trace), "groups": len(ddp.bucket_groups),
                "compressions_per_step": len(records) / args.train_iters,

@@ -7,7 +7,6 @@ import torch
 from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, SparseGrad, compress
 from higgs_megatron.compress.selection import SampledTopK, TopK
 from higgs_megatron.config import HiggsConfig
-from higgs_megatron.reduce.sparse_allreduce import pack, unpack
 
 
 def _heavy_tailed(n, seed=0):
@@ -97,7 +96,7 @@ def test_compress_sends_always_part_and_conserves_with_error_feedback():
     assert not set(sparse.positions.tolist()) & set(range(100)), "always-sent positions are not selected"
     # layer-wise: each parameter sends its own share
     assert sum(100 <= p < 5100 for p in sparse.positions.tolist()) == 50
-    assert pack(sparse.always, sparse.positions, sparse.values).numel() == plan.payload_bytes(0.01, torch.float32)
+    assert plan.payload.pack(sparse, plan.layout(0.01)).numel() == plan.payload_bytes(0.01, torch.float32)
     residual.stage(grad, sparse)
     sent = torch.zeros(8100)
     sent[plan.always_positions] = sparse.always
@@ -146,13 +145,14 @@ def test_a_dense_step_leaves_a_zero_residual_without_writing_it():
     assert torch.equal(residual.current, torch.zeros(10))
 
 
-def test_pack_round_trip_bf16_and_fp32():
+def test_wide_pack_round_trip_bf16_and_fp32():
+    plan = BucketPlan(20_000, [ParamSlot(0, 7), ParamSlot(7, 20_000)], min_param_numel=8, device=torch.device("cpu"))
+    layout = plan.layout(3 / 19_993)
     for dtype in (torch.float32, torch.bfloat16):
-        always = torch.randn(7).to(dtype)
-        positions = torch.tensor([3, 99, 12345], dtype=torch.long)
-        values = torch.randn(3).to(dtype)
-        a, p, v = unpack(pack(always, positions, values), 7, 3, dtype)
-        assert torch.equal(a, always) and torch.equal(p.long(), positions) and torch.equal(v, values)
+        sparse = SparseGrad(torch.randn(7).to(dtype), plan.always_positions, torch.tensor([3, 99, 12345]),
+                            torch.randn(3).to(dtype))
+        a, p, v = plan.payload.unpack(plan.payload.pack(sparse, layout), layout, dtype)
+        assert torch.equal(a, sparse.always) and torch.equal(p, sparse.positions) and torch.equal(v, sparse.values)
 
 
 def test_config_validation_and_density_warmup():

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from higgs_megatron import cpu as cpu_scope
 from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, compress_with_feedback
 from higgs_megatron.compress.selection import SampledTopK, TopK
-from higgs_megatron.reduce.sparse_allreduce import PendingSparseReduce, pack
+from higgs_megatron.reduce.sparse_allreduce import PendingSparseReduce
 
 CUDA = torch.device("cuda", 0)
 
@@ -68,20 +68,21 @@ def test_the_training_step_moves_host_batches_to_the_models_device():
     assert output.device == meta and loss.device == meta and tokens.device == meta
 
 
+@pytest.mark.parametrize("payload", ["wide", "bf16", "int8"])
 @pytest.mark.parametrize("selector", [TopK(), SampledTopK(seed=0)], ids=["topk", "sampled-topk"])
-def test_the_compressor_and_the_sparse_reduction_stay_on_the_gradients_device(selector):
-    n, meta = 40_000, torch.device("meta")
+def test_the_compressor_and_the_sparse_reduction_stay_on_the_gradients_device(selector, payload):
+    n, meta = 140_000, torch.device("meta")
     acc = torch.randn(n, device=meta)
     plan = BucketPlan(n, [ParamSlot(0, 100), ParamSlot(100, 30_000), ParamSlot(30_000, n)],
-                      min_param_numel=1024, device=meta)
+                      min_param_numel=1024, device=meta, payload=payload)
     residual = ResidualBuffer(n, acc.dtype, meta)
     for _ in range(2):  # the second step adds the first step's residual
         sparse = compress_with_feedback(acc, plan, 0.01, selector, residual, key="bucket")
     assert {sparse.positions.device, sparse.values.device, residual.current.device} == {meta}
-    payload = pack(sparse.always, sparse.positions, sparse.values)
+    payload = plan.payload.pack(sparse, plan.layout(0.01))
     target = torch.empty(n, device=meta)
-    PendingSparseReduce(work=None, gathered=torch.cat([payload, payload]), world=2,
-                        always_positions=plan.always_positions, k=sparse.positions.numel(), target=target).finish()
+    PendingSparseReduce(work=None, gathered=torch.cat([payload, payload]), world=2, payload=plan.payload,
+                        layout=plan.layout(0.01), target=target).finish()
     assert target.device == meta
 
 

@@ -10,23 +10,28 @@ import torch.distributed as dist
 
 from higgs_megatron.checkpoint.manifest import CheckpointError, Layout, Manifest, RankRecord, ShardRecord
 from higgs_megatron.checkpoint.validation import uncovered_shards
-from higgs_megatron.reduce.sparse_allreduce import PendingSparseReduce, pack
+from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, SparseGrad
+from higgs_megatron.reduce.sparse_allreduce import PendingSparseReduce
 from higgs_megatron.stability.alignment import StepVote, Verdict, VoteTimeout
 
 
-def test_finish_sums_every_peers_payload_against_a_reference_sum():
-    n, always = 1000, torch.arange(0, 10)
+@pytest.mark.parametrize("payload", ["wide", "bf16", "int8"])
+def test_finish_sums_every_peers_payload_against_a_reference_sum(payload):
+    n = 1000
+    plan = BucketPlan(n, [ParamSlot(0, 10), ParamSlot(10, n)], min_param_numel=11, device=torch.device("cpu"),
+                      payload=payload)
+    layout = plan.layout(40 / (n - 10))
     generator = torch.Generator().manual_seed(0)
     payloads, reference = [], torch.zeros(n)
     for peer in range(3):
-        positions = torch.randperm(n - 10, generator=generator)[:40] + 10
-        values = torch.randn(40, generator=generator)
-        always_values = torch.randn(10, generator=generator)
-        payloads.append(pack(always_values, positions, values))
-        reference.index_add_(0, always, always_values)
-        reference.index_add_(0, positions, values)
+        positions = (torch.randperm(n - 10, generator=generator)[:40] + 10).sort().values
+        sparse = plan.payload.round(SparseGrad(torch.randn(10, generator=generator), plan.always_positions, positions,
+                                               torch.randn(40, generator=generator)), layout)
+        payloads.append(plan.payload.pack(sparse, layout))
+        reference.index_add_(0, plan.always_positions, sparse.always)
+        reference.index_add_(0, positions, sparse.values)
     target = torch.full((n,), 7.0)  # stale contents must not survive
-    PendingSparseReduce(work=None, gathered=torch.cat(payloads), world=3, always_positions=always, k=40,
+    PendingSparseReduce(work=None, gathered=torch.cat(payloads), world=3, payload=plan.payload, layout=layout,
                         target=target).finish()
     assert torch.equal(target, reference)
 

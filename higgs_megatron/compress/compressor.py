@@ -38,6 +38,10 @@ residual is as it was before the step. A staged residual commits when the next s
 begins (``accumulate``), or explicitly; ``current`` is what a checkpoint must save. The
 price is a second buffer the size of the bucket.
 
+The payload format (``compress.payload``, ``--higgs-payload``) is part of the plan: its
+``round`` runs inside ``compress``, before the residual is staged, so what a lower-precision
+format drops stays in the residual too.
+
 Shapes depend only on the plan and the density: nothing here reads a device value back to
 the host.
 """
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .payload import Payload, SlotLayout, SparseGrad, payload_format
 from .selection import Selector
 
 
@@ -67,13 +72,18 @@ class ParamSlot:
 class BucketPlan:
     """The selection units of one bucket (see module docstring)."""
 
-    def __init__(self, numel: int, slots: list[ParamSlot], min_param_numel: int, device: torch.device) -> None:
+    def __init__(self, numel: int, slots: list[ParamSlot], min_param_numel: int, device: torch.device,
+                 payload: Payload | str = "wide") -> None:
         self.numel = numel
+        self.device = device
+        self.payload = payload_format(payload) if isinstance(payload, str) else payload
         always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
         self.units = sorted((s for s in slots if s.numel >= min_param_numel), key=lambda s: s.start)
         self.always_positions = (
             torch.cat([torch.arange(s, e, dtype=torch.long, device=device) for s, e in always])
             if always else torch.empty(0, dtype=torch.long, device=device))
+        self._layout: SlotLayout | None = None
+        self._layout_density: float | None = None
 
     @property
     def n_always(self) -> int:
@@ -87,10 +97,20 @@ class BucketPlan:
         return sum(self.k_unit(unit, density) for unit in self.units)
 
     def payload_bytes(self, density: float, dtype: torch.dtype) -> int:
-        """Bytes one peer hands the all-gather per step: values of ``always``, pairs of the rest."""
-        itemsize = dtype.itemsize
-        size = self.n_always * itemsize + self.k_selected(density) * (4 + itemsize)
-        return -(-size // 4) * 4  # padded to 4 bytes (see reduce.sparse_allreduce.pack)
+        """Bytes one peer hands the all-gather per step, in the plan's payload format."""
+        return self.payload.nbytes(self.numel, self.n_always, self.k_selected(density), len(self.units), dtype)
+
+    def layout(self, density: float) -> SlotLayout:
+        """The payload's sections at ``density``; the last one is kept (a density ramp changes
+        it every step, and each holds a tensor of k slots)."""
+        if self._layout_density != density:
+            counts = [self.k_unit(unit, density) for unit in self.units]
+            unit_of_slot = (torch.cat([torch.full((k,), i, dtype=torch.long, device=self.device)
+                                       for i, k in enumerate(counts)]) if counts
+                            else torch.empty(0, dtype=torch.long, device=self.device))
+            self._layout = SlotLayout(self.numel, self.always_positions, sum(counts), unit_of_slot, len(counts))
+            self._layout_density = density
+        return self._layout
 
 
 class ResidualBuffer:
@@ -146,35 +166,44 @@ class ResidualBuffer:
         self.staged_zero = False
         self.has_staged = True
 
+    def stage_rounded(self, acc: torch.Tensor, sent: torch.Tensor) -> None:
+        """Residual after sending all of ``acc`` rounded to ``sent`` (a dense step in a lower
+        precision): the rounding error, exact (each value is within a factor of two of its
+        rounding, Sterbenz)."""
+        torch.sub(acc, sent, out=self.staged.narrow(0, 0, acc.numel()))
+        self.staged_zero = False
+        self.has_staged = True
+
     def stage_all_sent(self) -> None:
         """The whole of ``acc`` went out (a dense step): nothing remains."""
         self.staged_zero = True
         self.has_staged = True
 
 
-@dataclass
-class SparseGrad:
-    always: torch.Tensor  # [n_always], acc's dtype, at always_positions
-    always_positions: torch.Tensor  # int64 [n_always], the plan's
-    positions: torch.Tensor  # int64 [k_selected]
-    values: torch.Tensor  # [k_selected], acc's dtype; 0 at padding slots
-
-
 def compress(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,
              key: object = None) -> SparseGrad:
+    """The payload of ``acc`` at ``density``, its values rounded as the plan's format sends them.
+    Under a blocked format the positions come sorted: units are disjoint and ordered by start,
+    so the sort keeps each unit's slots together, where ``SlotLayout.unit_of_slot`` says."""
+    layout = plan.layout(density)
+    always = acc.index_select(0, plan.always_positions)
     selections = [selector.select(acc.narrow(0, unit.start, unit.numel).abs(), plan.k_unit(unit, density), key=(key, unit.start))
                   for unit in plan.units]
     if not selections:
         empty = torch.empty(0, dtype=torch.long, device=acc.device)
-        return SparseGrad(acc.index_select(0, plan.always_positions), plan.always_positions, empty,
-                          acc.index_select(0, empty))
+        return plan.payload.round(SparseGrad(always, plan.always_positions, empty, acc.index_select(0, empty)), layout)
     positions = torch.cat([s.positions + unit.start for s, unit in zip(selections, plan.units)])
-    values = acc.index_select(0, positions)
-    if any(s.valid is not None for s in selections):  # zero the padding slots
+    valid = None
+    if any(s.valid is not None for s in selections):
         valid = torch.cat([torch.ones_like(s.positions, dtype=torch.bool) if s.valid is None else s.valid
                            for s in selections])
+    if plan.payload.blocked:
+        positions, order = torch.sort(positions)
+        valid = valid.index_select(0, order) if valid is not None else None
+    values = acc.index_select(0, positions)
+    if valid is not None:  # zero the padding slots
         values = torch.where(valid, values, 0)
-    return SparseGrad(acc.index_select(0, plan.always_positions), plan.always_positions, positions, values)
+    return plan.payload.round(SparseGrad(always, plan.always_positions, positions, values), layout)
 
 
 def compress_with_feedback(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,

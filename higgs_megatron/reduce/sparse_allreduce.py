@@ -2,13 +2,13 @@
 
 Protocol, per bucket and step (all peers of ``group`` take part, in the same order):
 
-1. ``pack``: the k selected positions as int32, the values of the always-sent coordinates
-   (their positions are known to every peer), then the selected values, end to end in one
-   uint8 buffer padded to 4 bytes; both counts are the same on every peer.
+1. the payload (``compress.payload``, in the plan's format: positions, the values of the
+   always-sent coordinates, whose positions every peer knows, and the selected values, in one
+   uint8 buffer padded to 4 bytes); its size is the same on every peer.
 2. ``all_gather_into_tensor`` of that buffer, asynchronously: the call returns at once and
    the gather runs while backward goes on.
-3. ``finish`` (after ``wait``): zero the bucket, then for each peer in rank order
-   ``index_add_`` its always-sent values and its selected values at their positions. Within
+3. ``finish`` (after ``wait``): zero the bucket, then for each peer in rank order decode its
+   payload and ``index_add_`` its always-sent values and its selected values at their positions. Within
    one peer's payload a position holds at most one real value: a padding slot may repeat a
    position, but it adds an exact 0, so the order of the adds within a peer (atomic on a
    GPU) cannot change the sum. Every peer adds the same payloads in the same peer order, so
@@ -39,25 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
-def pack(always: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[int32 positions | always values | selected values | zero padding to 4 bytes]: the
-    positions lead and every payload is a multiple of 4 bytes, so each peer's positions stay
-    4-byte aligned inside the gathered buffer."""
-    parts = [positions.to(torch.int32).view(torch.uint8), always.contiguous().view(torch.uint8),
-             values.contiguous().view(torch.uint8)]
-    size = sum(p.numel() for p in parts)
-    if size % 4:
-        parts.append(torch.zeros(4 - size % 4, dtype=torch.uint8, device=positions.device))
-    return torch.cat(parts)
-
-
-def unpack(buffer: torch.Tensor, n_always: int, k: int, dtype: torch.dtype):
-    """(always values, int32 positions, selected values) from one peer's payload."""
-    itemsize = dtype.itemsize
-    p, a = 4 * k, 4 * k + n_always * itemsize
-    return (buffer.narrow(0, p, a - p).view(dtype), buffer.narrow(0, 0, p).view(torch.int32),
-            buffer.narrow(0, a, k * itemsize).view(dtype))
+from ..compress.payload import Payload, SlotLayout, SparseGrad
 
 
 def _plain_wait(work) -> None:
@@ -71,8 +53,8 @@ class PendingSparseReduce:
     work: object
     gathered: torch.Tensor
     world: int
-    always_positions: torch.Tensor
-    k: int
+    payload: Payload
+    layout: SlotLayout
     target: torch.Tensor
 
     def wait(self, waiter=None) -> None:
@@ -90,23 +72,25 @@ class PendingSparseReduce:
         per_peer = self.gathered.view(self.world, -1)
         self.target.zero_()
         for peer in range(self.world):
-            always, positions, values = unpack(per_peer.select(0, peer), self.always_positions.numel(), self.k,
-                                               self.target.dtype)
+            always, positions, values = self.payload.unpack(per_peer.select(0, peer), self.layout, self.target.dtype)
             if always.numel():
-                self.target.index_add_(0, self.always_positions, always)
-            self.target.index_add_(0, positions.long(), values)
+                self.target.index_add_(0, self.layout.always_positions, always)
+            self.target.index_add_(0, positions, values)
 
 
-def launch_sparse_allreduce(always_positions: torch.Tensor, always: torch.Tensor, positions: torch.Tensor,
-                            values: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup,
-                            async_op: bool = True) -> PendingSparseReduce:
-    """Start the gather; the caller later calls ``finish()`` on what this returns."""
-    world = dist.get_world_size(group)
-    payload = pack(always, positions, values)
-    gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-    work = dist.all_gather_into_tensor(gathered, payload, group=group, async_op=async_op)
-    return PendingSparseReduce(work=work if async_op else None, gathered=gathered, world=world,
-                               always_positions=always_positions, k=positions.numel(), target=target)
+def gather_payloads(payload: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
+    """(the gathered buffer, the work): every peer's payload, end to end in rank order."""
+    gathered = torch.empty(dist.get_world_size(group) * payload.numel(), dtype=torch.uint8, device=payload.device)
+    return gathered, dist.all_gather_into_tensor(gathered, payload, group=group, async_op=async_op)
+
+
+def launch_sparse_allreduce(sparse: SparseGrad, payload: Payload, layout: SlotLayout, target: torch.Tensor,
+                            group: dist.ProcessGroup, async_op: bool = True) -> PendingSparseReduce:
+    """Start the gather of ``sparse`` (compressed at ``layout``); the caller later calls
+    ``finish()`` on what this returns."""
+    gathered, work = gather_payloads(payload.pack(sparse, layout), group, async_op)
+    return PendingSparseReduce(work=work if async_op else None, gathered=gathered, world=dist.get_world_size(group),
+                               payload=payload, layout=layout, target=target)
 
 
 def slice_range(numel: int, ranks_per_node: int, local_index: int) -> tuple[int, int]:
@@ -176,9 +160,8 @@ class PendingHierarchical:
                 self.target.narrow(0, start, end - start).copy_(self.piece.narrow(0, 0, end - start))
 
 
-def launch_hierarchical(always_positions: torch.Tensor, always: torch.Tensor, positions: torch.Tensor,
-                        values: torch.Tensor, work: torch.Tensor, piece: torch.Tensor, target: torch.Tensor,
-                        intra: dist.ProcessGroup, inter: dist.ProcessGroup,
-                        async_op: bool = True, gather: bool = True) -> PendingHierarchical:
-    sparse = launch_sparse_allreduce(always_positions, always, positions, values, piece, inter, async_op=async_op)
-    return PendingHierarchical(sparse, work, piece, target, intra, gather)
+def launch_hierarchical(sparse: SparseGrad, payload: Payload, layout: SlotLayout, work: torch.Tensor,
+                        piece: torch.Tensor, target: torch.Tensor, intra: dist.ProcessGroup,
+                        inter: dist.ProcessGroup, async_op: bool = True, gather: bool = True) -> PendingHierarchical:
+    pending = launch_sparse_allreduce(sparse, payload, layout, piece, inter, async_op=async_op)
+    return PendingHierarchical(pending, work, piece, target, intra, gather)
