@@ -79,6 +79,16 @@ class HiggsConfig:
     bf16 values (half the bytes in fp32); 'int8' the same offsets and int8 values with one scale
     per parameter. The rounding goes into the error-feedback residual."""
 
+    variance_refresh_iters: int = field(default=0, metadata=_flag(
+        "--higgs-variance-refresh-iters", "with --higgs-freeze-adam-variance: sync dense and let Adam's second moment "
+        "move for N iterations from 2, 4, 8... times --higgs-dense-iters", type=int))
+    """With ``freeze_adam_variance``: windows of N dense iterations in which Adam's second moment
+    is updated as usual, starting at 2, 4, 8... times ``dense_iters`` (0/1 Adam's refresh
+    points, doubling). A second moment frozen early, at the end of the learning-rate warm-up,
+    holds the gradients' scale of then; as they shrink it makes every later step too short.
+    With beta2 = 0.95 about 20 iterations replace most of it; the windows cost that many dense
+    steps each, a number that grows with the log of the run's length."""
+
     dense_bf16: bool = field(default=False, metadata=_flag(
         "--higgs-dense-bf16", "send the dense steps of compressed buckets (the dense stage, a ramp's early steps) in "
         "bf16, the rounding kept in the error-feedback residual", action="store_true"))
@@ -130,19 +140,36 @@ class HiggsConfig:
             raise ConfigError("node_link_gbps", "node_link_gbps needs link_gbps (the links between nodes) too")
         if self.link_gbps is not None and self.sync != "auto":
             raise ConfigError("link_gbps", f"link_gbps is what sync='auto' plans with; sync is {self.sync!r}")
-        for name in ("density_warmup_iters", "dense_iters", "min_param_numel", "min_bucket_numel"):
+        for name in ("density_warmup_iters", "dense_iters", "variance_refresh_iters", "min_param_numel",
+                     "min_bucket_numel"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.dense_bf16 and (not self.error_feedback or self.compressor == "none"):
             raise ConfigError("dense_bf16", "dense_bf16 keeps its rounding in the error-feedback residual: it needs "
                               "error feedback and a compressor other than 'none'")
+        if self.variance_refresh_iters and not self.freeze_adam_variance:
+            raise ConfigError("variance_refresh_iters", "variance_refresh_iters refreshes a frozen second moment: it "
+                              "needs freeze_adam_variance")
+        if self.variance_refresh_iters > self.dense_iters:
+            raise ConfigError("variance_refresh_iters", f"variance_refresh_iters ({self.variance_refresh_iters}) must "
+                              f"be at most dense_iters ({self.dense_iters}): each window ends before the next starts")
         if self.freeze_adam_variance and self.dense_iters == 0:
             raise ConfigError("freeze_adam_variance", "freeze_adam_variance needs dense_iters > 0: the frozen second "
                               "moment is the one Adam learned in the dense stage")
 
+    def refresh_window(self, step: int) -> bool:
+        """Whether ``step`` (0-based) is in a window of ``variance_refresh_iters``."""
+        if not self.variance_refresh_iters or step < 2 * self.dense_iters:
+            return False
+        start = 2 * self.dense_iters
+        while 2 * start <= step:
+            start *= 2
+        return step - start < self.variance_refresh_iters
+
     def dense_stage(self, step: int) -> bool:
-        """Whether ``step`` (0-based) is in the dense stage (``dense_iters``)."""
-        return step < self.dense_iters
+        """Whether ``step`` (0-based) syncs dense: the dense stage (``dense_iters``), or a window of
+        ``variance_refresh_iters``."""
+        return step < self.dense_iters or self.refresh_window(step)
 
     def density(self, step: int) -> float:
         """The density in force at ``step`` (0-based): 1 in the dense stage, then from 1 to the

@@ -27,6 +27,12 @@ stays below the cap, so bursts remain linear; a tensor whose whole gradient blow
 to Adam's usual step size. In a small model, where one selected coordinate is a larger share
 of a small tensor, the cap binds more often and costs a little loss.
 
+A second moment frozen early (at the end of the learning-rate warm-up, for a short dense
+stage) keeps the gradients' scale of then, and as they shrink every later step is too short.
+So it can be thawed for a few steps at a time (``thawed``; 0/1 Adam's variance refresh, Lu et
+al., 2022): torch's Adam runs those steps, on densely synced gradients, and the second moment
+moves as it would have.
+
 A coordinate whose second moment is exactly zero when it freezes had no gradient in the
 whole dense stage (an untied embedding row of a token not yet seen): it has no scale to
 keep, and dividing by ``eps`` would move it ``lr * m / eps`` on its first gradient. So on the
@@ -46,6 +52,7 @@ without Transformer Engine or Apex) is supported; anything else is refused.
 from __future__ import annotations
 
 import types
+from typing import Callable
 
 import torch
 
@@ -63,12 +70,17 @@ def check_supported(torch_optimizer: torch.optim.Optimizer, flag: str) -> None:
             raise ValueError(f"{flag} does not support AdamW with amsgrad or maximize")
 
 
-def freeze_variance(torch_optimizer: torch.optim.Optimizer, freeze_step: int) -> None:
+def freeze_variance(torch_optimizer: torch.optim.Optimizer, freeze_step: int,
+                    thawed: Callable[[int], bool] | None = None) -> None:
     """From Adam step ``freeze_step`` on, update with the second moment of that step (see the
-    module docstring). Only this instance's ``step`` is replaced: torch pickles an optimizer
-    without it, so a copy made that way is plain AdamW until frozen again."""
+    module docstring); ``thawed(step)``: whether the update from ``step`` (0-based, the updates
+    done before it) takes torch's own Adam after all, which moves the second moment (the
+    refresh windows of ``HiggsConfig.refresh_window``). Only this instance's ``step`` is
+    replaced: torch pickles an optimizer without it, so a copy made that way is plain AdamW
+    until frozen again."""
     check_supported(torch_optimizer, "freeze_variance")
     torch_optimizer._higgs_freeze_step = freeze_step
+    torch_optimizer._higgs_thawed = thawed or (lambda step: False)
     torch_optimizer.step = types.MethodType(_step, torch_optimizer)
 
 
@@ -91,11 +103,18 @@ def _step(self: torch.optim.Optimizer, closure=None):
 
 
 def _frozen_params(torch_optimizer: torch.optim.Optimizer) -> set[int]:
-    """ids of the params with a gradient whose Adam step count has reached ``freeze_step``."""
-    freeze_step = torch_optimizer._higgs_freeze_step
-    return {id(p) for group in torch_optimizer.param_groups for p in group["params"]
-            if p.grad is not None and "step" in torch_optimizer.state.get(p, {})
-            and int(torch_optimizer.state[p]["step"]) >= freeze_step}
+    """ids of the params with a gradient whose Adam step count has reached ``freeze_step``,
+    outside the thawed steps."""
+    freeze_step, thawed = torch_optimizer._higgs_freeze_step, torch_optimizer._higgs_thawed
+    frozen = set()
+    for group in torch_optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None or "step" not in torch_optimizer.state.get(p, {}):
+                continue
+            step = int(torch_optimizer.state[p]["step"])
+            if step >= freeze_step and not thawed(step):
+                frozen.add(id(p))
+    return frozen
 
 
 @torch.no_grad()

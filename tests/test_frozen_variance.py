@@ -147,3 +147,36 @@ def test_only_adamw_is_frozen_and_the_error_names_the_flag():
     amsgrad = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], amsgrad=True)
     with pytest.raises(ValueError, match="amsgrad"):
         freeze_variance(amsgrad, 5)
+
+
+def test_a_thawed_step_takes_torchs_update_and_moves_the_second_moment():
+    """Steps 5 and 6 (0-based 4 and 5) thawed: Adam's own update there, the frozen one around."""
+    from higgs_megatron.config import HiggsConfig
+
+    schedule = HiggsConfig(dense_iters=2, freeze_adam_variance=True, variance_refresh_iters=2)
+    assert [schedule.refresh_window(step) for step in range(10)] == [False] * 4 + [True] * 2 + [False] * 2 + [True] * 2
+    assert [schedule.dense_stage(step) for step in range(10)] == [True] * 2 + [False] * 2 + [True] * 2 + [False] * 2 \
+        + [True] * 2
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(9))]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95))
+    freeze_variance(optimizer, 2, thawed=schedule.refresh_window)
+    moved = []
+    for step in range(8):
+        before = optimizer.state[params[0]]["exp_avg_sq"].clone() if optimizer.state[params[0]] else None
+        _step(optimizer, [torch.randn_like(p) * 0.5 for p in params])
+        after = optimizer.state[params[0]]["exp_avg_sq"]
+        moved.append(before is None or not torch.equal(before, after))
+    assert moved == [True, True, False, False, True, True, False, False]
+
+
+def test_refresh_windows_need_a_frozen_moment_and_fit_between_each_other():
+    from higgs_megatron.config import HiggsConfig
+
+    with pytest.raises(ValueError, match="needs freeze_adam_variance"):
+        HiggsConfig(dense_iters=10, variance_refresh_iters=5)
+    with pytest.raises(ValueError, match=r"variance_refresh_iters \(11\) must be at most dense_iters \(10\)"):
+        HiggsConfig(dense_iters=10, freeze_adam_variance=True, variance_refresh_iters=11)
+    windows = HiggsConfig(dense_iters=240, freeze_adam_variance=True, variance_refresh_iters=20)
+    assert [step for step in range(2400) if windows.refresh_window(step)] == \
+        list(range(480, 500)) + list(range(960, 980)) + list(range(1920, 1940))

@@ -156,21 +156,28 @@ def test_dense_stage_is_megatron_ddp_then_compression_and_frozen_variance_start(
 
 
 @DISTOPT
-def test_dense_steps_in_bf16_send_half_the_bytes_and_keep_replicas_equal(distopt, tiny_gpt_args):
-    """``--higgs-dense-bf16``: the dense stage hands the collectives half of fp32's bytes, trains
-    like Megatron's DDP to bf16's precision (not bitwise: the rounding is real), and every DP
-    replica stays bitwise equal."""
+def test_dense_steps_in_bf16_and_a_variance_refresh_window(distopt, tiny_gpt_args):
+    """``--higgs-dense-bf16``: the dense stage (steps 1-3) hands the collectives half of fp32's
+    bytes and trains like Megatron's DDP to bf16's precision (not bitwise: the rounding is
+    real). ``--higgs-variance-refresh-iters 1``: step 7 (at twice the dense stage) is dense
+    again and moves Adam's second moment, which stays frozen around it. Every DP replica
+    stays bitwise equal."""
     from tests.higgs_ddp_workers import staged_sync
 
-    base = _base(tiny_gpt_args, ["--global-batch-size", "16"], distopt, iters=6)
-    variants = {"megatron": base, "staged": base + STAGED + ["--higgs-dense-bf16", "--higgs-payload", "bf16"]}
+    base = _base(tiny_gpt_args, ["--global-batch-size", "16"], distopt, iters=8)
+    variants = {"megatron": base, "staged": base + STAGED + ["--higgs-dense-bf16", "--higgs-payload", "bf16",
+                                                           "--higgs-variance-refresh-iters", "1"]}
     outs = run_ranks(staged_sync, 2, args=(variants,), timeout=400)
     for out in outs:
         megatron, staged = out["losses"]["megatron"], out["losses"]["staged"]
         assert staged[1] == megatron[1]  # before any update
         assert staged[3] != megatron[3] and abs(staged[3] - megatron[3]) <= 1e-2 * megatron[3], (staged, megatron)
-        assert [2 * sent for sent in out["bytes_sent"][:3]] == out["dense_bytes"][:3], out
-        assert all(sent <= dense / 20 for sent, dense in zip(out["bytes_sent"][3:], out["dense_bytes"][3:])), out
+        sent, dense = out["bytes_sent"], out["dense_bytes"]
+        dense_steps = [0, 1, 2, 6]
+        assert all(2 * sent[i] == dense[i] for i in dense_steps), out
+        assert all(sent[i] <= dense[i] / 20 for i in range(8) if i not in dense_steps), out
+        variance = out["variance_after"]  # after steps 1..8
+        assert variance[2] == variance[3] == variance[4] == variance[5] != variance[6] == variance[7], variance
     for name, value in outs[0]["params"]["staged"].items():
         assert torch.equal(value, outs[1]["params"]["staged"][name]), f"DP replicas differ at {name}"
 
