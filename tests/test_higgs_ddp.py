@@ -120,9 +120,14 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere(tiny_gpt_args):
     assert all(h["loss"] == h["loss"] for h in outs[-1]["history"] if h["ok"])  # finite after the skip
 
 
+# The last: the lean schedule's pieces (int8 payload, bf16 dense stage, a refresh window at the
+# 5th step, just after the split).
 @pytest.mark.parametrize("world_size,layout", [
     LAYOUTS[0], LAYOUTS[1],
-    pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer"], id="dp2-distopt")])
+    pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer"], id="dp2-distopt"),
+    pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer", "--higgs-payload", "int8",
+                     "--higgs-dense-bf16", "--higgs-dense-iters", "2", "--higgs-freeze-adam-variance",
+                     "--higgs-variance-refresh-iters", "1"], id="dp2-distopt-lean")])
 def test_error_feedback_state_survives_state_dict(world_size, layout, tiny_gpt_args):
     from tests.higgs_ddp_workers import resume_continuity
 
