@@ -11,7 +11,8 @@ the whole run and per step at the end, and tokens/s. The runs (``--runs``, in th
   since the first release: dense for the first quarter of the iterations, Adam's second moment
   frozen as that ends, density from 1 to the target over the next third, wide payload;
 * ``lean``: the schedule for fewer bytes (``--lean-*`` flags): a dense stage sent in bf16 up to
-  the end of the learning-rate warm-up, a short ramp, and a compact payload;
+  the end of the learning-rate warm-up, Adam's second moment frozen then and refreshed in
+  short dense windows at 2, 4, 8... times the dense stage, a short ramp, and a compact payload;
 * ``no-ef``: ``ef`` without error feedback.
 
 Writes ``convergence.md`` and ``convergence.png`` (the validation-loss curves, and each run's
@@ -57,7 +58,11 @@ def lean_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--use-higgs", "--higgs-compression-ratio", f"{args.lean_density:g}", "--higgs-sync", "sparse",
              "--higgs-payload", args.lean_payload, "--higgs-dense-iters", str(dense),
              "--higgs-density-warmup-iters", str(ramp)]
-    return flags + (["--higgs-freeze-adam-variance", "--higgs-dense-bf16"] if dense else [])
+    if dense:
+        flags += ["--higgs-freeze-adam-variance", "--higgs-dense-bf16"]
+        if args.lean_refresh_iters:
+            flags += ["--higgs-variance-refresh-iters", str(min(dense, args.lean_refresh_iters))]
+    return flags
 
 
 def also_log(value: str) -> tuple[Path, str]:
@@ -80,6 +85,8 @@ def main() -> int:
     parser.add_argument("--lean-dense-iters", type=int, default=None,
                         help="default: the learning-rate warm-up, a tenth of --train-iters")
     parser.add_argument("--lean-ramp-iters", type=int, default=None, help="default: a tenth of --train-iters")
+    parser.add_argument("--lean-refresh-iters", type=int, default=20,
+                        help="--higgs-variance-refresh-iters (0: the second moment stays frozen)")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--runs", default="dense,peer,ef,lean", type=runs_list,
                         help=f"comma-separated, from {', '.join(RUNS)} (dense is needed: the ratios are to it)")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from higgs_megatron.testing import run_ranks
-from tests.common_workers import train_variants
+from tests.common_workers import train_variants, train_variants_on_the_compressed_form
 
 # (world size, layout flags); every layout has DP=2 and two micro-batches per step (accumulation).
 LAYOUTS = [
@@ -41,7 +41,8 @@ def test_equals_megatron_ddp_when_dense(world_size, layout, distopt, tiny_gpt_ar
         "topk-1.0": base + ["--use-higgs", "--higgs-compression-ratio", "1.0", "--higgs-sync", "sparse",
                             "--higgs-min-bucket-numel", "0"],
     }
-    for rank_out in run_ranks(train_variants, world_size, args=(variants,), timeout=400):
+    for rank_out in run_ranks(train_variants_on_the_compressed_form, world_size, args=(variants,), timeout=400):
+        assert rank_out["forced"] > 0, "no bucket took the compressed form"
         _assert_equals_megatron(rank_out)
 
 

@@ -5,7 +5,7 @@ import torch
 
 from higgs_megatron.testing import run_ranks
 from higgs_megatron.topology import node_id, split_by_node
-from tests.common_workers import sparse_sync_invariants, train_variants
+from tests.common_workers import sparse_sync_invariants, train_variants, train_variants_on_the_compressed_form
 from tests.topology_workers import auto_sync_choices, node_groups_of_world, on_simulated_nodes
 
 
@@ -58,7 +58,9 @@ def test_hierarchical_at_density_one_equals_megatron_ddp(optimizer, tiny_gpt_arg
     is zero (the attention key bias): that oracle would test rounding, not the sync."""
     base = _base(tiny_gpt_args, optimizer, iters=5)
     variants = {"megatron": base, "hierarchical-1.0": base + HIERARCHICAL + ["--higgs-compression-ratio", "1.0"]}
-    for out in run_ranks(on_simulated_nodes, 4, args=(2, train_variants, variants), timeout=400):
+    for out in run_ranks(on_simulated_nodes, 4, args=(2, train_variants_on_the_compressed_form, variants),
+                         timeout=400):
+        assert out["forced"] > 0, "no bucket took the compressed form"
         reference = out["params"]["megatron"]
         for name, value in out["params"]["hierarchical-1.0"].items():
             torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-6 * reference[name].abs().max().item(),
