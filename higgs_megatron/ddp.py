@@ -16,9 +16,9 @@ Per bucket group, per step (once, on the accumulated gradient, never per micro-b
 2. For each bucket, a path: *dense* (Megatron's own all-reduce, or reduce-scatter with
    the distributed optimizer), *sparse* (``compress.compressor`` -> ``reduce.sparse_allreduce``)
    or *hierarchical* (``reduce.hierarchical``); with ``--higgs-dense-bf16``, a compressed
-   bucket's dense steps reduce a bf16 copy (``reduce.cast_reduce``). Under ``sync="auto"`` the path is the one
-   ``cost_model`` predicts fastest from costs measured at construction (``reduce.link_probe``)
-   and agreed by all DP ranks. The path depends only on the config, those agreed costs, the
+   bucket's dense steps reduce a bf16 copy (``reduce.cast_reduce``). Under ``sync="auto"``
+   the path is the one ``cost_model`` predicts fastest from costs measured at construction
+   (``reduce.link_probe``) and agreed by all DP ranks. The path depends only on the config, those agreed costs, the
    bucket and the step's density, so every DP peer issues the same collectives in the same
    order with the same sizes.
 3. With error feedback, ``acc = grad + residual`` on both paths; the residual left for the
@@ -345,9 +345,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                         sums.append(pending.piece.sum(dtype=torch.float32))
                 continue
             if path == "dense":
-                # bf16 on the wire: a whole-bucket residual holds the rounding (see reduce.cast_reduce)
-                cast = (shared.config.dense_bf16 and residual is not None and self.higgs_buckets[idx].slice is None
-                        and shared.instances == 1 and not force_all_reduce)
+                # bf16 on the wire: the residual holds the rounding (see reduce.cast_reduce)
+                cast = self.higgs_buckets[idx].dense_in_bf16 and residual is not None and not force_all_reduce
                 wire = None
                 if residual is not None:  # a hierarchical form's residual covers this rank's slice
                     lo, hi = self.higgs_buckets[idx].slice or (0, grad.numel())

@@ -13,8 +13,9 @@ For each gradient bucket, ``plan_bucket`` decides once, at construction:
 Under ``sync="auto"``, ``choose_form`` keeps the form the cost model predicts cheaper at the
 target density; then ``path_at`` gives the path of each step (``dense`` or the form), from the
 agreed link costs, cached per density. Under every mode a step whose payload would not be
-smaller than the dense gradient goes dense (the early steps of a density ramp). Every input is the same on every DP peer, so every peer
-plans the same paths and issues the same collectives with the same sizes.
+smaller than the dense gradient goes dense (the early steps of a density ramp). Every input is
+the same on every DP peer, so every peer plans the same paths and issues the same collectives
+with the same sizes.
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ class BucketPaths:
     candidates: dict[str, BucketPlan]
     slice: tuple[int, int] | None  # this rank's [start, end) of the bucket, with a hierarchical form
     ranks_per_node: int = 1
-    dense_bf16: bool = False  # its dense steps go in bf16 (a whole-bucket residual keeps the rounding)
+    dense_bf16: bool = False  # config.dense_bf16, for a bucket with a residual, one instance, wider than bf16
     paths: dict[float, str] = field(default_factory=dict)  # density -> path
+
+    @property
+    def dense_in_bf16(self) -> bool:
+        """Whether its dense steps reduce a bf16 copy: with ``dense_bf16``, where one residual
+        covers the whole bucket (no hierarchical slice) to keep the rounding."""
+        return self.dense_bf16 and self.slice is None
 
     @property
     def form(self) -> str | None:
@@ -107,7 +114,7 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
         piece = (min(lo, numel), min(hi, numel))  # a tiny bucket's last slice may start past its end
     return BucketPaths(name=name, numel=numel, dtype=dtype, candidates=candidates, slice=piece,
                        ranks_per_node=nodes.ranks_per_node if nodes is not None else 1,
-                       dense_bf16=config.dense_bf16 and not instances and dtype.itemsize > 2)
+                       dense_bf16=config.dense_bf16 and bool(candidates) and not instances and dtype.itemsize > 2)
 
 
 def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:
@@ -130,7 +137,7 @@ def smaller_than_dense(bucket: BucketPaths, density: float) -> bool:
     collective for the same coordinates (the bucket, or the slice of a hierarchical form), in
     bf16 where its dense steps go in bf16."""
     plan = bucket.plan
-    itemsize = 2 if bucket.dense_bf16 and bucket.slice is None else bucket.dtype.itemsize
+    itemsize = 2 if bucket.dense_in_bf16 else bucket.dtype.itemsize
     return plan.payload_bytes(density, bucket.dtype) < plan.numel * itemsize
 
 
