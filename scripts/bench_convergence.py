@@ -80,7 +80,7 @@ def main() -> int:
     parser.add_argument("--dense-iters", type=int, default=None, help="ef, no-ef: default a quarter of --train-iters")
     parser.add_argument("--density-warmup-iters", type=int, default=None,
                         help="ef, no-ef: default a third of --train-iters")
-    parser.add_argument("--lean-density", type=float, default=0.05)
+    parser.add_argument("--lean-density", type=float, default=0.1)
     parser.add_argument("--lean-payload", choices=PAYLOADS, default="int8")
     parser.add_argument("--lean-dense-iters", type=int, default=None,
                         help="default: the learning-rate warm-up, a tenth of --train-iters")
