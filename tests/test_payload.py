@@ -98,8 +98,8 @@ def test_a_payload_not_smaller_than_dense_goes_dense_under_every_sync_mode():
         config = HiggsConfig(sync=sync, min_bucket_numel=0, link_gbps=1.0 if sync == "auto" else None)
         wide = plan_bucket("b", 40_000, torch.float32, slots, config, None, CPU)
         assert path_at(wide, 0.51, None) == "dense" and path_at(wide, 0.49, None) == "sparse"
-        bf16 = plan_bucket("b", 40_000, torch.float32, slots, HiggsConfig(sync="sparse", min_bucket_numel=0,
-                                                                            payload="bf16"), None, CPU)
+        bf16 = plan_bucket("b", 40_000, torch.float32, slots, HiggsConfig(
+            sync=sync, min_bucket_numel=0, payload="bf16", link_gbps=1.0 if sync == "auto" else None), None, CPU)
         assert path_at(bf16, 1.0, None) == "dense" and path_at(bf16, 0.99, None) == "sparse"
     # Dense steps in bf16 cost half: int8's 3 bytes a pair pass them above density 2/3.
     int8 = plan_bucket("b", 40_000, torch.float32, slots, HiggsConfig(sync="sparse", min_bucket_numel=0, payload="int8",

@@ -31,6 +31,7 @@ padded to 4 bytes, so every section of every peer stays aligned inside the gathe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -56,6 +57,16 @@ class SlotLayout:
     @property
     def n_blocks(self) -> int:
         return -(-self.numel // BLOCK)
+
+    @cached_property
+    def block_firsts(self) -> torch.Tensor:
+        """int64 [n_blocks]: each block's first coordinate (made once per layout, not per step)."""
+        return torch.arange(self.n_blocks, device=self.unit_of_slot.device, dtype=torch.int64) * BLOCK
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """int64 [k]: 0..k-1, what a decoder searches the block starts for."""
+        return torch.arange(self.k, device=self.unit_of_slot.device, dtype=torch.int64)
 
 
 @dataclass
@@ -139,9 +150,7 @@ class Payload:
         """One peer's uint8 payload, ``nbytes`` long, from a ``round``ed ``sparse``."""
         if self.name == "wide":
             return _pad4([_bytes(sparse.positions.to(torch.int32)), _bytes(sparse.always), _bytes(sparse.values)])
-        device = sparse.positions.device
-        firsts = torch.arange(layout.n_blocks, device=device, dtype=torch.int64) * BLOCK
-        starts = torch.searchsorted(sparse.positions, firsts).to(torch.int32)
+        starts = torch.searchsorted(sparse.positions, layout.block_firsts).to(torch.int32)
         offsets = (torch.bitwise_and(sparse.positions, BLOCK - 1) - _OFFSET_BIAS).to(torch.int16)
         parts = [_bytes(starts)]
         if self.name == "int8":
@@ -161,8 +170,7 @@ class Payload:
         scales = read.take(layout.n_units, torch.float32) if self.name == "int8" else None
         always = read.take(layout.n_always, torch.bfloat16).to(dtype)
         offsets = read.take(k, torch.int16).long() + _OFFSET_BIAS
-        slots = torch.arange(k, device=buffer.device, dtype=torch.int64)
-        blocks = torch.searchsorted(starts, slots, right=True) - 1
+        blocks = torch.searchsorted(starts, layout.slots, right=True) - 1
         positions = blocks * BLOCK + offsets
         if self.name == "bf16":
             return always, positions, read.take(k, torch.bfloat16).to(dtype)
