@@ -64,8 +64,21 @@ def test_empty_data_folder_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_under_torchrun_the_message_appears_once_and_ranks_exit_2():
-    proc = run_pretrain_script(["--tensor-model-parallel-size", "3"], nproc=2, timeout=120)
+LATE_RANK0 = """import os, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(5)  # rank 1 finds the error first; torchrun must not stop rank 0 before it prints
+from higgs_megatron.training.launch import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("rank0", ["first", "late"])
+def test_under_torchrun_the_message_appears_once_and_ranks_exit_2(rank0, tmp_path):
+    script = PRETRAIN_SCRIPT
+    if rank0 == "late":
+        script = tmp_path / "late_rank0.py"
+        script.write_text(LATE_RANK0)
+    proc = run_pretrain_script(["--tensor-model-parallel-size", "3"], nproc=2, timeout=120, script=script)
     assert proc.returncode != 0
     message = "world size 2 is not divisible by --tensor-model-parallel-size 3"
     assert (proc.stdout + proc.stderr).count(message) == 1

@@ -26,7 +26,7 @@ def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_
         if torch.cuda.is_available():  # before anything allocates on a device: this rank's GPU, not GPU 0
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        dist.init_process_group(backend=backend, timeout=timeout, **_attempt_store(timeout))
+        dist.init_process_group(backend=backend, timeout=timeout, **attempt_store(timeout))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -34,7 +34,7 @@ def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_
     )
 
 
-def _attempt_store(timeout: datetime.timedelta) -> dict:
+def attempt_store(timeout: datetime.timedelta) -> dict:
     """Under torchrun's agent store, a store scoped to this attempt of the job.
 
     The agent's TCPStore outlives a restart (``--max-restarts``), and torch 2.13's env://
