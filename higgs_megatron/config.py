@@ -72,12 +72,14 @@ class HiggsConfig:
 
     payload: str = field(default="wide", metadata=_flag(
         "--higgs-payload", "wire format of the compressed payload: wide (int32 positions, the gradient's dtype), "
-        "bf16 (16-bit block offsets, bf16 values), int8 (16-bit block offsets, int8 values with a scale per "
-        "parameter)", choices=PAYLOADS))
+        "bf16 (positions as 16-bit block offsets or a bitmap, whichever is smaller; bf16 values), int8 (the same "
+        "positions, int8 values with a scale per span of coordinates), int4 (as int8, 4-bit values)",
+        choices=PAYLOADS))
     """The compressed payload's wire format (``compress.payload``): 'wide' sends int32 positions
-    and values in the gradient's dtype; 'bf16' 16-bit offsets within 64Ki-coordinate blocks and
-    bf16 values (half the bytes in fp32); 'int8' the same offsets and int8 values with one scale
-    per parameter. The rounding goes into the error-feedback residual."""
+    and values in the gradient's dtype; 'bf16' positions as 16-bit offsets within 64Ki-coordinate
+    blocks or as a bitmap (whichever is smaller; none at density 1) and bf16 values; 'int8' the
+    same positions and int8 values with one scale per span of coordinates; 'int4' as 'int8' with
+    4-bit codes. The rounding goes into the error-feedback residual."""
 
     variance_refresh_iters: int = field(default=0, metadata=_flag(
         "--higgs-variance-refresh-iters", "with --higgs-freeze-adam-variance: sync dense and let Adam's second moment "
@@ -95,6 +97,16 @@ class HiggsConfig:
     """Reduce a compressed bucket's dense steps in bf16 (``reduce.cast_reduce``): half the bytes
     of an fp32 gradient. The rounding goes into the error-feedback residual; buckets without a
     residual (small ones, compressor 'none') and several optimizer instances keep the gradient's dtype."""
+
+    dense_int8: bool = field(default=False, metadata=_flag(
+        "--higgs-dense-int8", "with --higgs-payload bf16, int8 or int4: send the dense steps of compressed buckets as every "
+        "coordinate in int8 (a quarter of fp32's bytes), the rounding kept in the error-feedback residual",
+        action="store_true"))
+    """With a blocked payload (bf16, int8, int4): a compressed bucket's dense steps (the dense stage, refresh windows,
+    a ramp's early steps) go as the int8 payload at density 1, every coordinate in order with
+    a scale per 2,048 coordinates, gathered and summed like the sparse payload: a quarter of an
+    fp32 gradient's bytes, half of bf16's. The rounding goes into the residual. Buckets without a
+    residual, a hierarchical slice and several optimizer instances keep their usual dense sync."""
 
     min_param_numel: int = field(default=1024, metadata=_flag(
         "--higgs-min-param-numel", "parameters smaller than this are sent in full", type=int))
@@ -146,6 +158,13 @@ class HiggsConfig:
                 raise ConfigError(name, f"{name} must be 0 or more, got {getattr(self, name)}")
         if self.dense_bf16 and (not self.error_feedback or self.compressor == "none"):
             raise ConfigError("dense_bf16", "dense_bf16 keeps its rounding in the error-feedback residual: it needs "
+                              "error feedback and a compressor other than 'none'")
+        if self.dense_int8 and (self.payload == "wide" or self.dense_bf16):
+            raise ConfigError("dense_int8", "dense_int8 sends dense steps as a payload with every coordinate, which "
+                              f"the blocked payloads have: it needs payload bf16, int8 or int4 (got {self.payload!r}) "
+                              "and not dense_bf16")
+        if self.dense_int8 and (not self.error_feedback or self.compressor == "none"):
+            raise ConfigError("dense_int8", "dense_int8 keeps its rounding in the error-feedback residual: it needs "
                               "error feedback and a compressor other than 'none'")
         if self.variance_refresh_iters and not self.freeze_adam_variance:
             raise ConfigError("variance_refresh_iters", "variance_refresh_iters refreshes a frozen second moment: it "

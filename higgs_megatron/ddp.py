@@ -67,6 +67,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
 from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, compress_with_feedback
+from .compress.payload import DENSE_INT8
 from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
@@ -334,6 +335,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             grad = bucket.grad_data
             residual = self.higgs_residuals[idx]
             path = "dense" if dense else path_at(self.higgs_buckets[idx], density, shared.costs)
+            step_density, step_payload = density, None
+            if path == "dense" and self.higgs_buckets[idx].dense_in_int8 and not force_all_reduce:
+                # every coordinate in int8 (``--higgs-dense-int8``)
+                path, step_density, step_payload = "sparse", 1.0, DENSE_INT8
+                stats.dense_buckets += 1
             stats.dense_bytes += grad.numel() * grad.element_size()
             if path == "hierarchical":
                 if sums is not None:
@@ -375,14 +381,15 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 continue
             plan = self.higgs_plans[idx]
             with shared.compress_timer.measure(grad.device):
-                sparse_grad = compress_with_feedback(grad, plan, density, shared.selector, residual,
-                                                     key=(self.higgs_index, idx))
-            stats.bytes_sent += plan.payload_bytes(density, grad.dtype)
-            stats.sparse_buckets += 1
+                sparse_grad = compress_with_feedback(grad, plan, step_density, shared.selector, residual,
+                                                     key=(self.higgs_index, idx), payload=step_payload)
+            stats.bytes_sent += plan.payload_bytes(step_density, grad.dtype, step_payload)
+            stats.sparse_buckets += step_density == density
             if sums is not None:
                 sums.append(grad.sum(dtype=torch.float32))
+            layout = plan.layout(step_density)
             pending = shared.launch(lambda: launch_sparse_allreduce(
-                sparse_grad, plan.payload, plan.layout(density), grad, group, async_op=async_op))
+                sparse_grad, step_payload or plan.payload, layout, grad, group, async_op=async_op))
             if pending is not None:
                 sparse.append(pending)
         if sums is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .compress.compressor import BucketPlan, ParamSlot
+from .compress.payload import DENSE_INT8
 from .config import HiggsConfig
 from .cost_model import BucketShape, LinkCosts, cheapest, predict
 from .reduce.sparse_allreduce import slice_range
@@ -57,6 +58,7 @@ class BucketPaths:
     slice: tuple[int, int] | None  # this rank's [start, end) of the bucket, with a hierarchical form
     ranks_per_node: int = 1
     dense_bf16: bool = False  # config.dense_bf16, for a bucket with a residual, one instance, wider than bf16
+    dense_int8: bool = False  # config.dense_int8, for a bucket with a residual and one instance
     paths: dict[float, str] = field(default_factory=dict)  # density -> path
 
     @property
@@ -64,6 +66,12 @@ class BucketPaths:
         """Whether its dense steps reduce a bf16 copy: with ``dense_bf16``, where one residual
         covers the whole bucket (no hierarchical slice) to keep the rounding."""
         return self.dense_bf16 and self.slice is None
+
+    @property
+    def dense_in_int8(self) -> bool:
+        """Whether its dense steps send every coordinate in int8, through its flat form at density
+        1 (``dense_int8``); not with a hierarchical slice, as ``dense_in_bf16``."""
+        return self.dense_int8 and self.slice is None and "sparse" in self.candidates
 
     @property
     def form(self) -> str | None:
@@ -114,7 +122,8 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
         piece = (min(lo, numel), min(hi, numel))  # a tiny bucket's last slice may start past its end
     return BucketPaths(name=name, numel=numel, dtype=dtype, candidates=candidates, slice=piece,
                        ranks_per_node=nodes.ranks_per_node if nodes is not None else 1,
-                       dense_bf16=config.dense_bf16 and bool(candidates) and not instances and dtype.itemsize > 2)
+                       dense_bf16=config.dense_bf16 and bool(candidates) and not instances and dtype.itemsize > 2,
+                       dense_int8=config.dense_int8 and bool(candidates) and not instances)
 
 
 def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:
@@ -135,8 +144,10 @@ def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:
 def smaller_than_dense(bucket: BucketPaths, density: float) -> bool:
     """Whether the form's payload at ``density`` is smaller than what a dense sync hands the same
     collective for the same coordinates (the bucket, or the slice of a hierarchical form), in
-    bf16 where its dense steps go in bf16."""
+    bf16 where its dense steps go in bf16, as the int8 payload at density 1 where they go in int8."""
     plan = bucket.plan
+    if bucket.dense_in_int8:
+        return plan.payload_bytes(density, bucket.dtype) < plan.payload_bytes(1.0, bucket.dtype, DENSE_INT8)
     itemsize = 2 if bucket.dense_in_bf16 else bucket.dtype.itemsize
     return plan.payload_bytes(density, bucket.dtype) < plan.numel * itemsize
 

@@ -10,9 +10,10 @@ the whole run and per step at the end, and tokens/s. The runs (``--runs``, in th
 * ``ef``: ``--use-higgs`` top-k at ``--density`` with error feedback, the benchmark's schedule
   since the first release: dense for the first quarter of the iterations, Adam's second moment
   frozen as that ends, density from 1 to the target over the next third, wide payload;
-* ``lean``: the schedule for fewer bytes (``--lean-*`` flags): a dense stage sent in bf16 up to
-  the end of the learning-rate warm-up, Adam's second moment frozen then and refreshed in
-  short dense windows at 2, 4, 8... times the dense stage, a short ramp, and a compact payload;
+* ``lean``: the schedule for fewer bytes (``--lean-*`` flags): a dense stage sent in int8 (or
+  bf16) up to the end of the learning-rate warm-up, Adam's second moment frozen then and
+  refreshed in short dense windows at 2, 4, 8... times the dense stage, a short ramp, and a
+  compact payload (by default 25% of the coordinates, a bitmap and 4-bit values);
 * ``no-ef``: ``ef`` without error feedback.
 
 Writes ``convergence.md`` and ``convergence.png`` (the validation-loss curves, and each run's
@@ -54,12 +55,12 @@ def lean_flags(args: argparse.Namespace) -> list[str]:
     """``--use-higgs`` with the ``lean`` schedule (see the module docstring)."""
     warmup = args.train_iters // 10  # the pretrain script's learning-rate warm-up
     dense = warmup if args.lean_dense_iters is None else args.lean_dense_iters
-    ramp = warmup if args.lean_ramp_iters is None else args.lean_ramp_iters
+    ramp = args.train_iters // 20 if args.lean_ramp_iters is None else args.lean_ramp_iters
     flags = ["--use-higgs", "--higgs-compression-ratio", f"{args.lean_density:g}", "--higgs-sync", "sparse",
              "--higgs-payload", args.lean_payload, "--higgs-dense-iters", str(dense),
              "--higgs-density-warmup-iters", str(ramp)]
     if dense:
-        flags += ["--higgs-freeze-adam-variance", "--higgs-dense-bf16"]
+        flags += ["--higgs-freeze-adam-variance", f"--higgs-dense-{args.lean_dense_wire}"]
         if args.lean_refresh_iters:
             flags += ["--higgs-variance-refresh-iters", str(min(dense, args.lean_refresh_iters))]
     return flags
@@ -80,11 +81,13 @@ def main() -> int:
     parser.add_argument("--dense-iters", type=int, default=None, help="ef, no-ef: default a quarter of --train-iters")
     parser.add_argument("--density-warmup-iters", type=int, default=None,
                         help="ef, no-ef: default a third of --train-iters")
-    parser.add_argument("--lean-density", type=float, default=0.1)
-    parser.add_argument("--lean-payload", choices=PAYLOADS, default="int8")
+    parser.add_argument("--lean-density", type=float, default=0.25)
+    parser.add_argument("--lean-payload", choices=PAYLOADS, default="int4")
+    parser.add_argument("--lean-dense-wire", choices=("bf16", "int8"), default="int8",
+                        help="the dense steps' wire: --higgs-dense-bf16 or --higgs-dense-int8")
     parser.add_argument("--lean-dense-iters", type=int, default=None,
                         help="default: the learning-rate warm-up, a tenth of --train-iters")
-    parser.add_argument("--lean-ramp-iters", type=int, default=None, help="default: a tenth of --train-iters")
+    parser.add_argument("--lean-ramp-iters", type=int, default=None, help="default: a twentieth of --train-iters")
     parser.add_argument("--lean-refresh-iters", type=int, default=20,
                         help="--higgs-variance-refresh-iters (0: the second moment stays frozen)")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
@@ -108,7 +111,8 @@ def main() -> int:
         "peer": ("torch DDP + fp16 compression hook", peer + ["--comm-hook", "fp16"], "scripts/peer_torch_ddp.py"),
         "ef": (f"higgs top-k {args.density:g} + error feedback (the first schedule)", common + higgs,
                "examples/pretrain_gpt.py"),
-        "lean": (f"higgs top-k {args.lean_density:g}, {args.lean_payload} payload, bf16 dense stage (lean)",
+        "lean": (f"higgs top-k {args.lean_density:g}, {args.lean_payload} payload, {args.lean_dense_wire} dense "
+                 "stage (lean)",
                  common + lean, "examples/pretrain_gpt.py"),
         "no-ef": (f"higgs top-k {args.density:g}, no error feedback", common + higgs + ["--no-higgs-error-feedback"],
                   "examples/pretrain_gpt.py"),

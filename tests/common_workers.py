@@ -77,14 +77,16 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
     from higgs_megatron.training.launch import training_environment
     from higgs_megatron.training.loop import Trainer
 
+    from higgs_megatron.compress.payload import SlotLayout, position_encoding
+
     args = parse_args(argv)
     records, handed = [], []
     original_compress, original_backward = compressor.compress, schedules.backward_step
     original_gather = sparse_allreduce.gather_payloads
 
-    def recording_compress(acc, plan, density, selector, key=None):
+    def recording_compress(acc, plan, density, selector, key=None, payload=None):
         accumulated = acc.clone()
-        sparse = original_compress(acc, plan, density, selector, key=key)
+        sparse = original_compress(acc, plan, density, selector, key=key, payload=payload)
         records.append((key, accumulated, sparse, plan, density))
         return sparse
 
@@ -132,7 +134,10 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
             # Bytes handed to the collective against the dense bucket, over the selected part
             # (the always-sent small parameters travel whole by design).
             itemsize = accumulated.element_size()
-            always_bytes = plan.payload.nbytes(plan.numel, plan.n_always, 0, 0, accumulated.dtype)
+            layout = plan.layout(density)
+            nothing_selected = SlotLayout(plan.numel, plan.always_positions, 0,
+                                          position_encoding(plan.payload.name, plan.numel, 0, False), layout.span)
+            always_bytes = plan.payload.nbytes(nothing_selected, accumulated.dtype)
             assert nbytes == plan.payload_bytes(density, accumulated.dtype)  # the plan's size is what went out
             byte_ratios.append((nbytes - always_bytes) / (accumulated.numel() * itemsize - plan.n_always * itemsize))
         out = {"coords": coordinates(), "params": parameters(trainer), "conservation": conservation,

@@ -95,6 +95,8 @@ def test_under_torchrun_the_message_appears_once_and_ranks_exit_2(rank0, tmp_pat
     (["--use-higgs", "--higgs-freeze-adam-variance"], "--higgs-freeze-adam-variance: freeze_adam_variance needs dense_iters > 0"),
     (["--use-higgs", "--higgs-dense-iters", "5", "--higgs-freeze-adam-variance", "--optimizer", "sgd"],
      "--higgs-freeze-adam-variance: freezes Adam's second moment; --optimizer is sgd"),
+    (["--use-higgs", "--higgs-dense-int8"], "--higgs-dense-int8: dense_int8 sends dense steps as a payload with every "
+     "coordinate, which the blocked payloads have: it needs payload bf16, int8 or int4 (got 'wide') and not dense_bf16"),
     (["--use-higgs", "--higgs-link-gbps", "0"], "--higgs-link-gbps: link_gbps must be a positive number of Gbit/s, got 0.0"),
     (["--use-higgs", "--higgs-link-gbps", "nan"], "--higgs-link-gbps: link_gbps must be a positive number of Gbit/s, got nan"),
     (["--use-higgs", "--higgs-node-link-gbps", "100"], "--higgs-node-link-gbps: node_link_gbps needs link_gbps"),

@@ -68,21 +68,25 @@ def test_the_training_step_moves_host_batches_to_the_models_device():
     assert output.device == meta and loss.device == meta and tokens.device == meta
 
 
-@pytest.mark.parametrize("payload", ["wide", "bf16", "int8"])
+# Densities: 16-bit offsets (1%), a bitmap (20%), every coordinate without positions (1.0).
+@pytest.mark.parametrize("payload,density", [("wide", 0.01), ("bf16", 0.01), ("int8", 0.01), ("bf16", 0.2),
+                                             ("int8", 0.2), ("int4", 0.2), ("int8", 1.0), ("int4", 1.0)])
 @pytest.mark.parametrize("selector", [TopK(), SampledTopK(seed=0)], ids=["topk", "sampled-topk"])
-def test_the_compressor_and_the_sparse_reduction_stay_on_the_gradients_device(selector, payload):
+def test_the_compressor_and_the_sparse_reduction_stay_on_the_gradients_device(selector, payload, density):
     n, meta = 140_000, torch.device("meta")
     acc = torch.randn(n, device=meta)
     plan = BucketPlan(n, [ParamSlot(0, 100), ParamSlot(100, 30_000), ParamSlot(30_000, n)],
                       min_param_numel=1024, device=meta, payload=payload)
     residual = ResidualBuffer(n, acc.dtype, meta)
     for _ in range(2):  # the second step adds the first step's residual
-        sparse = compress_with_feedback(acc, plan, 0.01, selector, residual, key="bucket")
-    assert {sparse.positions.device, sparse.values.device, residual.current.device} == {meta}
-    payload = plan.payload.pack(sparse, plan.layout(0.01))
+        sparse = compress_with_feedback(acc, plan, density, selector, residual, key="bucket")
+    assert {sparse.values.device, residual.current.device} == {meta}
+    assert sparse.positions is None if density == 1.0 else sparse.positions.device == meta
+    payload = plan.payload.pack(sparse, plan.layout(density))
+    assert payload.device == meta
     target = torch.empty(n, device=meta)
     PendingSparseReduce(work=None, gathered=torch.cat([payload, payload]), world=2, payload=plan.payload,
-                        layout=plan.layout(0.01), target=target).finish()
+                        layout=plan.layout(density), target=target).finish()
     assert target.device == meta
 
 

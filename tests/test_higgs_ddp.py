@@ -58,8 +58,9 @@ def test_sparse_sync_invariants(world_size, layout, min_param_numel, distopt, ti
     _check_sparse_sync_invariants(argv, world_size, max_byte_ratio=1 / 40)
 
 
-# Bytes per selected coordinate against the dense fp32 gradient's 4: 8 for wide, 4 for bf16, 3 for int8.
-@pytest.mark.parametrize("payload,max_byte_ratio", [("bf16", 0.011), ("int8", 0.0085)])
+# Bytes per selected coordinate against the dense fp32 gradient's 4: 8 for wide, 4 for bf16, 3 for
+# int8, 2.5 for int4 (16-bit offsets at 1%).
+@pytest.mark.parametrize("payload,max_byte_ratio", [("bf16", 0.011), ("int8", 0.0085), ("int4", 0.0075)])
 @pytest.mark.parametrize("world_size,layout,distopt", [
     (2, ["--global-batch-size", "16"], ["--use-distributed-optimizer"]),
     (4, ["--tensor-model-parallel-size", "2", "--global-batch-size", "16"], []),
@@ -121,18 +122,24 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere(tiny_gpt_args):
     assert all(h["loss"] == h["loss"] for h in outs[-1]["history"] if h["ok"])  # finite after the skip
 
 
-# The last: the lean schedule's pieces (int8 payload, bf16 dense stage, a refresh window at the
-# 5th step, just after the split).
-@pytest.mark.parametrize("world_size,layout", [
-    LAYOUTS[0], LAYOUTS[1],
-    pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer"], id="dp2-distopt"),
-    pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer", "--higgs-payload", "int8",
-                     "--higgs-dense-bf16", "--higgs-dense-iters", "2", "--higgs-freeze-adam-variance",
-                     "--higgs-variance-refresh-iters", "1"], id="dp2-distopt-lean")])
-def test_error_feedback_state_survives_state_dict(world_size, layout, tiny_gpt_args):
+# The last two: the lean schedules' pieces (int8 payload and a bf16 dense stage; int4 values
+# and a bitmap at 25% with an int8 dense stage), a refresh window at the 5th step, just after
+# the split.
+LEAN = ["--higgs-dense-iters", "2", "--higgs-freeze-adam-variance", "--higgs-variance-refresh-iters", "1"]
+
+
+@pytest.mark.parametrize("world_size,layout,lean", [
+    *[pytest.param(*layout.values, [], id=layout.id) for layout in LAYOUTS[:2]],
+    pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer"], [], id="dp2-distopt"),
+    pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer"],
+                 ["--higgs-payload", "int8", "--higgs-dense-bf16", *LEAN], id="dp2-distopt-lean"),
+    pytest.param(2, ["--global-batch-size", "16", "--use-distributed-optimizer"],
+                 ["--higgs-payload", "int4", "--higgs-compression-ratio", "0.25", "--higgs-dense-int8", *LEAN],
+                 id="dp2-distopt-lean-int4")])
+def test_error_feedback_state_survives_state_dict(world_size, layout, lean, tiny_gpt_args):
     from tests.higgs_ddp_workers import resume_continuity
 
-    argv = _base(tiny_gpt_args, layout, [], iters=8) + SPARSE
+    argv = _base(tiny_gpt_args, layout, [], iters=8) + SPARSE + lean
     for out in run_ranks(resume_continuity, world_size, args=(argv, 4), timeout=400):
         assert out["resumed"] == out["straight"]
         assert out["params_equal"]
@@ -162,16 +169,18 @@ def test_dense_stage_is_megatron_ddp_then_compression_and_frozen_variance_start(
 
 
 @DISTOPT
-def test_dense_steps_in_bf16_and_a_variance_refresh_window(distopt, tiny_gpt_args):
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_dense_steps_in_bf16_or_int8_and_a_variance_refresh_window(wire, distopt, tiny_gpt_args):
     """``--higgs-dense-bf16``: the dense stage (steps 1-3) hands the collectives half of fp32's
-    bytes and trains like Megatron's DDP to bf16's precision (not bitwise: the rounding is
-    real). ``--higgs-variance-refresh-iters 1``: step 7 (at twice the dense stage) is dense
-    again and moves Adam's second moment, which stays frozen around it. Every DP replica
-    stays bitwise equal."""
+    bytes; ``--higgs-dense-int8``: every coordinate as int8 and a scale per 2,048, a quarter.
+    Either trains like Megatron's DDP to its precision (not bitwise: the rounding is real).
+    ``--higgs-variance-refresh-iters 1``: step 7 (at twice the dense stage) is dense again and
+    moves Adam's second moment, which stays frozen around it. Every DP replica stays bitwise
+    equal."""
     from tests.higgs_ddp_workers import staged_sync
 
     base = _base(tiny_gpt_args, ["--global-batch-size", "16"], distopt, iters=8)
-    variants = {"megatron": base, "staged": base + STAGED + ["--higgs-dense-bf16", "--higgs-payload", "bf16",
+    variants = {"megatron": base, "staged": base + STAGED + [f"--higgs-dense-{wire}", "--higgs-payload", wire,
                                                            "--higgs-variance-refresh-iters", "1"]}
     outs = run_ranks(staged_sync, 2, args=(variants,), timeout=400)
     for out in outs:
@@ -180,10 +189,16 @@ def test_dense_steps_in_bf16_and_a_variance_refresh_window(distopt, tiny_gpt_arg
         assert staged[3] != megatron[3] and abs(staged[3] - megatron[3]) <= 1e-2 * megatron[3], (staged, megatron)
         sent, dense = out["bytes_sent"], out["dense_bytes"]
         dense_steps = [0, 1, 2, 6]
-        assert all(2 * sent[i] == dense[i] for i in dense_steps), out
+        if wire == "bf16":
+            assert all(2 * sent[i] == dense[i] for i in dense_steps), out
+        else:  # one byte a coordinate; each bucket's 4-byte scales (one per 2,048) and padding
+            assert all(dense[i] / 4 < sent[i] <= dense[i] / 4 * 1.01 for i in dense_steps), (sent, dense)
         assert all(sent[i] <= dense[i] / 20 for i in range(8) if i not in dense_steps), out
         variance = out["variance_after"]  # after steps 1..8
-        assert variance[2] == variance[3] == variance[4] == variance[5] != variance[6] == variance[7], variance
+        assert variance[3] == variance[4] == variance[5] != variance[6] == variance[7], variance
+        # As it freezes, a second moment still 0 is set to its tensor's mean: int8 rounds some
+        # small coordinates to 0 in every dense step, bf16 none.
+        assert (variance[2] == variance[3]) == (wire == "bf16"), variance
     for name, value in outs[0]["params"]["staged"].items():
         assert torch.equal(value, outs[1]["params"]["staged"][name]), f"DP replicas differ at {name}"
 

@@ -9,15 +9,18 @@ from higgs_megatron.testing import run_ranks
 from tests.host_sync_workers import host_syncs_in_gradient_path
 
 
-# The last: its first step dense in bf16 (reduce.cast_reduce), then 16-bit offsets and bf16 values.
+# The third: its first step dense in bf16 (reduce.cast_reduce), then 16-bit offsets and bf16
+# values; the last: its first step every coordinate in int8, then a bitmap and int8 values.
 @pytest.mark.parametrize("compressor,payload", [
     ("topk", ["--higgs-payload", "wide"]), ("sampled-topk", ["--higgs-payload", "int8"]),
-    ("topk", ["--higgs-payload", "bf16", "--higgs-dense-iters", "1", "--higgs-dense-bf16"])],
-    ids=["topk-wide", "sampled-topk-int8", "topk-bf16-dense-bf16"])
+    ("topk", ["--higgs-payload", "bf16", "--higgs-dense-iters", "1", "--higgs-dense-bf16"]),
+    ("sampled-topk", ["--higgs-payload", "int8", "--higgs-dense-iters", "1", "--higgs-dense-int8",
+                      "--higgs-compression-ratio", "0.2"])],
+    ids=["topk-wide", "sampled-topk-int8", "topk-bf16-dense-bf16", "sampled-topk-bitmap-dense-int8"])
 def test_a_compressed_dp2_step_makes_no_host_sync_in_the_gradient_path(compressor, payload, tiny_gpt_args):
-    argv = tiny_gpt_args + payload + ["--train-iters", "3", "--global-batch-size", "16", "--overlap-grad-reduce",
-                            "--ddp-bucket-size", "20000", "--use-higgs", "--higgs-compressor", compressor,
-                            "--higgs-compression-ratio", "0.01", "--higgs-sync", "sparse",
+    argv = tiny_gpt_args + ["--higgs-compression-ratio", "0.01"] + payload + [
+        "--train-iters", "3", "--global-batch-size", "16", "--overlap-grad-reduce",
+        "--ddp-bucket-size", "20000", "--use-higgs", "--higgs-compressor", compressor, "--higgs-sync", "sparse",
                             "--higgs-min-bucket-numel", "0", "--higgs-min-param-numel", "256"]
     for rank, out in enumerate(run_ranks(host_syncs_in_gradient_path, 2, args=(argv,), timeout=300)):
         # Every step audited: several bucket groups start and finish, and the decision's flags.

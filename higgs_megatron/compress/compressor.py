@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .payload import Payload, SlotLayout, SparseGrad, payload_format
+from .payload import Payload, SlotLayout, SparseGrad, payload_format, position_encoding, scale_span
 from .selection import Selector
 
 
@@ -96,19 +96,21 @@ class BucketPlan:
         """Selected coordinates sent per step at ``density`` (fixed for a given density)."""
         return sum(self.k_unit(unit, density) for unit in self.units)
 
-    def payload_bytes(self, density: float, dtype: torch.dtype) -> int:
-        """Bytes one peer hands the all-gather per step, in the plan's payload format."""
-        return self.payload.nbytes(self.numel, self.n_always, self.k_selected(density), len(self.units), dtype)
+    def payload_bytes(self, density: float, dtype: torch.dtype, payload: Payload | None = None) -> int:
+        """Bytes one peer hands the all-gather per step, in the plan's payload format (or ``payload``)."""
+        return (payload or self.payload).nbytes(self.layout(density), dtype)
 
     def layout(self, density: float) -> SlotLayout:
-        """The payload's sections at ``density``; the last one is kept (a density ramp changes
-        it every step, and each holds a tensor of k slots)."""
+        """The payload's sections at ``density`` (the last one is kept: a density ramp changes
+        it every step). Where every coordinate of every unit is selected, a blocked format
+        sends the whole bucket in order (the implicit encoding): the always-sent parameters
+        become slots too."""
         if self._layout_density != density:
-            counts = [self.k_unit(unit, density) for unit in self.units]
-            unit_of_slot = (torch.cat([torch.full((k,), i, dtype=torch.long, device=self.device)
-                                       for i, k in enumerate(counts)]) if counts
-                            else torch.empty(0, dtype=torch.long, device=self.device))
-            self._layout = SlotLayout(self.numel, self.always_positions, sum(counts), unit_of_slot, len(counts))
+            k = self.k_selected(density)
+            every = self.payload.blocked and bool(self.units) and k == sum(unit.numel for unit in self.units)
+            self._layout = SlotLayout(self.numel, self.always_positions, self.numel if every else k,
+                                      position_encoding(self.payload.name, self.numel, k, every),
+                                      scale_span(density))
             self._layout_density = density
         return self._layout
 
@@ -159,6 +161,9 @@ class ResidualBuffer:
 
     def stage(self, acc: torch.Tensor, sent) -> None:
         """Residual after sending ``sent`` (a ``SparseGrad``) out of ``acc``."""
+        if sent.positions is None:  # every coordinate sent (the implicit encoding)
+            self.stage_rounded(acc, sent.values)
+            return
         self.staged.copy_(acc)
         if sent.always.numel():
             self.staged.index_add_(0, sent.always_positions, sent.always, alpha=-1)
@@ -181,37 +186,43 @@ class ResidualBuffer:
 
 
 def compress(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,
-             key: object = None) -> SparseGrad:
+             key: object = None, payload: Payload | None = None) -> SparseGrad:
     """The payload of ``acc`` at ``density``, its values rounded as the plan's format sends them.
     Under a blocked format the positions come sorted: units are disjoint and ordered by start,
-    so the sort keeps each unit's slots together, where ``SlotLayout.unit_of_slot`` says."""
-    layout = plan.layout(density)
+    so the sort keeps each unit's slots together. Where the layout sends every coordinate
+    (``implicit``), nothing is selected: the values are the whole of ``acc``."""
+    layout, payload = plan.layout(density), payload or plan.payload
+    if layout.encoding == "implicit":  # every coordinate, in order: nothing to select
+        empty = acc.new_empty(0)
+        return payload.round(SparseGrad(empty, empty.long(), None, acc), layout)
     always = acc.index_select(0, plan.always_positions)
     selections = [selector.select(acc.narrow(0, unit.start, unit.numel).abs(), plan.k_unit(unit, density), key=(key, unit.start))
                   for unit in plan.units]
     if not selections:
         empty = torch.empty(0, dtype=torch.long, device=acc.device)
-        return plan.payload.round(SparseGrad(always, plan.always_positions, empty, acc.index_select(0, empty)), layout)
+        return payload.round(SparseGrad(always, plan.always_positions, empty, acc.index_select(0, empty)), layout)
     positions = torch.cat([s.positions + unit.start for s, unit in zip(selections, plan.units)])
     valid = None
     if any(s.valid is not None for s in selections):
         valid = torch.cat([torch.ones_like(s.positions, dtype=torch.bool) if s.valid is None else s.valid
                            for s in selections])
-    if plan.payload.blocked:
+    if payload.blocked:
         positions, order = torch.sort(positions)
         valid = valid.index_select(0, order) if valid is not None else None
     values = acc.index_select(0, positions)
     if valid is not None:  # zero the padding slots
         values = torch.where(valid, values, 0)
-    return plan.payload.round(SparseGrad(always, plan.always_positions, positions, values), layout)
+    return payload.round(SparseGrad(always, plan.always_positions, positions, values), layout)
 
 
 def compress_with_feedback(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,
-                           residual: ResidualBuffer | None, key: object = None) -> SparseGrad:
-    """``acc`` (the gradient, in place) += residual; compress; stage the new residual."""
+                           residual: ResidualBuffer | None, key: object = None,
+                           payload: Payload | None = None) -> SparseGrad:
+    """``acc`` (the gradient, in place) += residual; compress (in the plan's format, or
+    ``payload``); stage the new residual."""
     if residual is not None:
         residual.accumulate(acc)
-    sparse = compress(acc, plan, density, selector, key=key)
+    sparse = compress(acc, plan, density, selector, key=key, payload=payload)
     if residual is not None:
         residual.stage(acc, sparse)
     return sparse

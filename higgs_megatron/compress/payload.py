@@ -6,26 +6,39 @@ size depend only on the plan and the density, so every DP peer hands the collect
 number of bytes, and nothing here reads a device value on the host.
 
 * ``wide``: int32 positions, values in the gradient's dtype (8 bytes a pair in fp32).
-* ``bf16``: positions as 16-bit offsets within blocks of 64Ki coordinates, values in bf16
-  (4 bytes a pair). The selected positions are sorted, and the payload leads with each
-  block's first slot (one int32 per 64Ki coordinates of the bucket), so a slot's block is
-  found again by a search; an offset is its position minus its block's start.
-* ``int8``: the ``bf16`` positions, values as int8 with one fp32 scale per selection unit
-  (a parameter): 3 bytes a pair.
+* ``bf16``: values in bf16; positions in the smallest of three encodings (``SlotLayout.encoding``):
+  - ``offsets``: 16-bit offsets within blocks of 64Ki coordinates. The selected positions
+    are sorted, and the payload leads with each block's first slot (one int32 per 64Ki
+    coordinates), so a slot's block is found again by a search (2 bytes a pair);
+  - ``bitmap``: one bit per coordinate of the bucket, smaller above a density of about 1/16;
+    the values follow in position order;
+  - ``implicit``: every coordinate is sent (density 1), in order: no positions, and no
+    separate always-sent section.
+* ``int8``: the same positions, int8 values with one fp32 scale per span of coordinates
+  (``SlotLayout.span``, a power of two chosen so that a scale covers about 256 slots and at
+  least 2,048 coordinates: the scales cost under 2% of the values). At density 1 this is the
+  dense int8 step of ``--higgs-dense-int8``: a quarter of an fp32 gradient's bytes.
+* ``int4``: as ``int8`` with 4-bit codes in [-7, 7], two to a byte.
 
 Rounding and error feedback. ``round`` replaces the values by what every peer will decode
-(bf16, or int8 times its scale, back in the gradient's dtype), before the residual is staged,
+(bf16, or a code times its scale, back in the gradient's dtype), before the residual is staged,
 so the rounding error stays in the residual: ``sent + residual == accumulated`` still holds
 exactly (the residual ``acc - sent`` is exact where the two are within a factor of two,
 Sterbenz; elsewhere ``sent`` is 0). The always-sent values of ``bf16`` and ``int8`` travel in
 bf16.
 
-Wire layout, one peer: the 4-byte sections first, then the 2-byte ones, then the 1-byte one,
+Wire layout, one peer: the 4-byte sections first, then the 2-byte ones, then the 1-byte ones,
 padded to 4 bytes, so every section of every peer stays aligned inside the gathered buffer:
 
 * ``wide``: ``[int32 positions | always values | values]``
-* ``bf16``: ``[int32 block starts | bf16 always | int16 offsets | bf16 values]``
-* ``int8``: ``[int32 block starts | fp32 scales | bf16 always | int16 offsets | int8 values]``
+* blocked: ``[int32 block starts (offsets) | fp32 scales (int8, int4) | bf16 always | int16
+  offsets (offsets) | bf16 values (bf16) | uint8 bitmap (bitmap) | int8 values (int8) | int4
+  values, two a byte, the first in the low half (int4)]``
+
+Padding slots (a sampled selector that came up short) repeat some position with value 0. A
+bitmap cannot repeat a position, so its encoder merges repeated positions (their values sum:
+the real value plus zeros) and fills the slots left over with 0; the decoder maps those slots
+to the bucket's last coordinate, where adding 0 changes nothing.
 """
 
 from __future__ import annotations
@@ -37,50 +50,93 @@ import torch
 
 BLOCK = 1 << 16  # coordinates per block: a 16-bit offset addresses one
 _OFFSET_BIAS = 1 << 15  # offsets in [0, BLOCK) are stored as int16 in [-2**15, 2**15)
-PAYLOADS = ("wide", "bf16", "int8")
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+SLOTS_PER_SCALE = 256  # int8: about this many slots share a scale
+MIN_SPAN = 2048  # int8: a scale covers at least this many coordinates
+PAYLOADS = ("wide", "bf16", "int8", "int4")
+_LEVELS = {"int8": 127, "int4": 7}  # codes in [-levels, levels]
 
 
 @dataclass
 class SlotLayout:
-    """What a payload's sections are, for one plan at one density: fixed shapes, device constants."""
+    """What a payload's sections are, for one plan at one density: sizes from Python ints; the
+    device constants a decoder needs are made on first use and kept with the layout."""
 
     numel: int  # coordinates the positions address (the bucket, or this rank's slice)
-    always_positions: torch.Tensor  # int64 [n_always]
-    k: int  # selected slots
-    unit_of_slot: torch.Tensor  # int64 [k]: the selection unit of each slot (slots are grouped by unit)
-    n_units: int
+    always_positions: torch.Tensor  # int64 [n_always], the plan's
+    k: int  # selected slots (implicit: every coordinate)
+    encoding: str  # 'int32' (wide), 'offsets', 'bitmap' or 'implicit'
+    span: int  # int8: coordinates per scale (a power of two)
 
     @property
     def n_always(self) -> int:
-        return self.always_positions.numel()
+        """Always-sent values in their own section (none when every coordinate is a slot)."""
+        return 0 if self.encoding == "implicit" else self.always_positions.numel()
 
     @property
     def n_blocks(self) -> int:
         return -(-self.numel // BLOCK)
 
+    @property
+    def n_scales(self) -> int:
+        return -(-self.numel // self.span)
+
+    @property
+    def position_bytes(self) -> int:
+        return {"int32": 4 * self.k, "offsets": 4 * self.n_blocks + 2 * self.k,
+                "bitmap": -(-self.numel // 8), "implicit": 0}[self.encoding]
+
+    @cached_property
+    def device(self) -> torch.device:
+        return self.always_positions.device
+
     @cached_property
     def block_firsts(self) -> torch.Tensor:
-        """int64 [n_blocks]: each block's first coordinate (made once per layout, not per step)."""
-        return torch.arange(self.n_blocks, device=self.unit_of_slot.device, dtype=torch.int64) * BLOCK
+        """int64 [n_blocks]: each block's first coordinate."""
+        return torch.arange(self.n_blocks, device=self.device, dtype=torch.int64) * BLOCK
 
     @cached_property
     def slots(self) -> torch.Tensor:
-        """int64 [k]: 0..k-1, what a decoder searches the block starts for."""
-        return torch.arange(self.k, device=self.unit_of_slot.device, dtype=torch.int64)
+        """int64 [k]: 0..k-1, what a decoder searches the block starts (or the bitmap's count) for."""
+        return torch.arange(self.k, device=self.device, dtype=torch.int64)
+
+    @cached_property
+    def bit_weights(self) -> torch.Tensor:
+        return torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=self.device)
+
+
+def scale_span(density: float) -> int:
+    """int8's coordinates per scale at ``density``: a power of two, at least ``MIN_SPAN``, about
+    ``SLOTS_PER_SCALE`` slots."""
+    span = MIN_SPAN
+    while span * density < SLOTS_PER_SCALE and span < 1 << 30:
+        span *= 2
+    return span
+
+
+def position_encoding(payload: str, numel: int, k: int, every_coordinate: bool) -> str:
+    """The smallest position encoding of ``payload`` for ``k`` slots among ``numel`` coordinates."""
+    if payload == "wide":
+        return "int32"
+    if every_coordinate:
+        return "implicit"
+    return "bitmap" if -(-numel // 8) < 4 * -(-numel // BLOCK) + 2 * k else "offsets"
 
 
 @dataclass
 class SparseGrad:
     """One peer's compressed bucket: ``always`` at ``always_positions``, ``values`` at
     ``positions`` (0 at padding slots), as every peer will decode them; with ``int8``, the
-    codes and per-unit scales that encode ``values``."""
+    codes and per-span scales that encode ``values``. ``positions`` is None when every
+    coordinate is sent (the implicit encoding): ``values`` is then the whole bucket and
+    ``always`` is empty."""
 
     always: torch.Tensor  # [n_always], acc's dtype
     always_positions: torch.Tensor  # int64 [n_always], the plan's
-    positions: torch.Tensor  # int64 [k]; sorted under the blocked formats
+    positions: torch.Tensor | None  # int64 [k]; sorted under the blocked formats
     values: torch.Tensor  # [k], acc's dtype
     codes: torch.Tensor | None = None  # int8 [k]
-    scales: torch.Tensor | None = None  # fp32 [n_units]
+    scales: torch.Tensor | None = None  # fp32 [n_scales]
 
 
 def _pad4(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -107,6 +163,49 @@ class _Reader:
         return section
 
 
+def _span_amax(values: torch.Tensor, positions: torch.Tensor | None, layout: SlotLayout) -> torch.Tensor:
+    """fp32 [n_scales]: the largest magnitude in each span (0 where none is sent)."""
+    magnitudes = values.abs().float()
+    if positions is None:  # every coordinate, in order: spans are runs of the values
+        padded = torch.nn.functional.pad(magnitudes, (0, layout.n_scales * layout.span - layout.numel))
+        return padded.view(layout.n_scales, layout.span).amax(1)
+    return torch.zeros(layout.n_scales, dtype=torch.float32, device=magnitudes.device).scatter_reduce_(
+        0, positions // layout.span, magnitudes, "amax")
+
+
+def _per_slot(scales: torch.Tensor, positions: torch.Tensor | None, layout: SlotLayout) -> torch.Tensor:
+    if positions is None:
+        return scales.repeat_interleave(layout.span).narrow(0, 0, layout.numel)
+    return scales.index_select(0, positions // layout.span)
+
+
+def _merge_repeats(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed per distinct position, in position order, then zeros: the bitmap's
+    value section (positions sorted; a repeat is a padding slot's, carrying 0)."""
+    if positions.numel() < 2:
+        return values
+    first = torch.ones_like(positions, dtype=torch.bool)
+    first.narrow(0, 1, positions.numel() - 1).copy_(positions.narrow(0, 1, positions.numel() - 1)
+                                                      != positions.narrow(0, 0, positions.numel() - 1))
+    rank = torch.cumsum(first, 0) - 1
+    wide = values.to(torch.int32 if values.dtype == torch.int8 else values.dtype)
+    return torch.zeros_like(wide).index_add_(0, rank, wide).to(values.dtype)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-7, 7] -> uint8, two a byte (code + 8 in each half, the first low)."""
+    biased = (codes.to(torch.int16) + 8).to(torch.uint8)
+    if biased.numel() % 2:
+        biased = torch.cat([biased, biased.new_full((1,), 8)])
+    pairs = biased.view(-1, 2)
+    return torch.bitwise_or(pairs.select(1, 0), torch.bitwise_left_shift(pairs.select(1, 1), 4))
+
+
+def _unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
+    halves = torch.stack([torch.bitwise_and(packed, 15), torch.bitwise_right_shift(packed, 4)], 1)
+    return (halves.view(-1).narrow(0, 0, k).to(torch.int16) - 8).to(torch.int8)
+
+
 @dataclass(frozen=True)
 class Payload:
     """One wire format (see the module docstring)."""
@@ -115,17 +214,25 @@ class Payload:
 
     @property
     def blocked(self) -> bool:
-        """Positions as 16-bit offsets in blocks: the selected positions must come sorted."""
+        """Positions as offsets in blocks or a bitmap: the selected positions must come sorted."""
         return self.name != "wide"
 
-    def nbytes(self, layout_numel: int, n_always: int, k: int, n_units: int, dtype: torch.dtype) -> int:
+    @property
+    def scaled(self) -> bool:
+        """Integer codes with a scale per span."""
+        return self.name in _LEVELS
+
+    def value_bytes(self, k: int) -> int:
+        return {"bf16": 2 * k, "int8": k, "int4": -(-k // 2)}[self.name]
+
+    def nbytes(self, layout: SlotLayout, dtype: torch.dtype) -> int:
         """Bytes one peer hands the all-gather, padding included."""
         if self.name == "wide":
-            size = 4 * k + (n_always + k) * dtype.itemsize
+            size = 4 * layout.k + (layout.n_always + layout.k) * dtype.itemsize
         else:
-            size = 4 * -(-layout_numel // BLOCK) + 2 * n_always + 2 * k + (2 if self.name == "bf16" else 1) * k
-            if self.name == "int8":
-                size += 4 * n_units
+            size = layout.position_bytes + 2 * layout.n_always + self.value_bytes(layout.k)
+            if self.scaled:
+                size += 4 * layout.n_scales
         return -(-size // 4) * 4
 
     def round(self, sparse: SparseGrad, layout: SlotLayout) -> SparseGrad:
@@ -137,12 +244,11 @@ class Payload:
         if self.name == "bf16":
             return SparseGrad(always, sparse.always_positions, sparse.positions,
                               sparse.values.to(torch.bfloat16).to(dtype))
-        magnitudes = sparse.values.abs().float()
-        amax = torch.zeros(layout.n_units, dtype=torch.float32, device=magnitudes.device).scatter_reduce_(
-            0, layout.unit_of_slot, magnitudes, "amax")
-        scales = torch.where(amax > 0, amax / 127, 1.0)
-        per_slot = scales.index_select(0, layout.unit_of_slot)
-        codes = torch.round(sparse.values.float() / per_slot).clamp_(-127, 127)
+        levels = _LEVELS[self.name]
+        amax = _span_amax(sparse.values, sparse.positions, layout)
+        scales = torch.where(amax > 0, amax / levels, 1.0)
+        per_slot = _per_slot(scales, sparse.positions, layout)
+        codes = torch.round(sparse.values.float() / per_slot).clamp_(-levels, levels)
         return SparseGrad(always, sparse.always_positions, sparse.positions, (codes * per_slot).to(dtype),
                           codes=codes.to(torch.int8), scales=scales)
 
@@ -150,32 +256,59 @@ class Payload:
         """One peer's uint8 payload, ``nbytes`` long, from a ``round``ed ``sparse``."""
         if self.name == "wide":
             return _pad4([_bytes(sparse.positions.to(torch.int32)), _bytes(sparse.always), _bytes(sparse.values)])
-        starts = torch.searchsorted(sparse.positions, layout.block_firsts).to(torch.int32)
-        offsets = (torch.bitwise_and(sparse.positions, BLOCK - 1) - _OFFSET_BIAS).to(torch.int16)
-        parts = [_bytes(starts)]
-        if self.name == "int8":
+        values = sparse.codes if self.scaled else sparse.values.to(torch.bfloat16)
+        parts = []
+        if layout.encoding == "offsets":
+            parts.append(_bytes(torch.searchsorted(sparse.positions, layout.block_firsts).to(torch.int32)))
+        if self.scaled:
             parts.append(_bytes(sparse.scales))
-        parts += [_bytes(sparse.always.to(torch.bfloat16)), _bytes(offsets)]
-        parts.append(_bytes(sparse.codes if self.name == "int8" else sparse.values.to(torch.bfloat16)))
+        parts.append(_bytes(sparse.always.to(torch.bfloat16)))
+        if layout.encoding == "offsets":
+            parts.append(_bytes((torch.bitwise_and(sparse.positions, BLOCK - 1) - _OFFSET_BIAS).to(torch.int16)))
+        elif layout.encoding == "bitmap":
+            values = _merge_repeats(sparse.positions, values)
+        if self.name == "bf16":
+            parts.append(_bytes(values))
+        if layout.encoding == "bitmap":
+            bits = torch.zeros(-(-layout.numel // 8) * 8, dtype=torch.uint8, device=values.device)
+            bits.index_fill_(0, sparse.positions, 1)
+            parts.append((bits.view(-1, 8) * layout.bit_weights).sum(1, dtype=torch.uint8))
+        if self.name == "int8":
+            parts.append(_bytes(values))
+        elif self.name == "int4":
+            parts.append(_pack_nibbles(values))
         return _pad4(parts)
 
     def unpack(self, buffer: torch.Tensor, layout: SlotLayout, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(always values, int64 positions, selected values), in ``dtype``, from one peer's payload."""
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(always values, int64 positions, selected values), in ``dtype``, from one peer's
+        payload; positions None: the values are every coordinate, in order."""
         read, k = _Reader(buffer), layout.k
         if self.name == "wide":
             positions = read.take(k, torch.int32).long()
             return read.take(layout.n_always, dtype), positions, read.take(k, dtype)
-        starts = read.take(layout.n_blocks, torch.int32).long()
-        scales = read.take(layout.n_units, torch.float32) if self.name == "int8" else None
+        starts = read.take(layout.n_blocks, torch.int32).long() if layout.encoding == "offsets" else None
+        scales = read.take(layout.n_scales, torch.float32) if self.scaled else None
         always = read.take(layout.n_always, torch.bfloat16).to(dtype)
-        offsets = read.take(k, torch.int16).long() + _OFFSET_BIAS
-        blocks = torch.searchsorted(starts, layout.slots, right=True) - 1
-        positions = blocks * BLOCK + offsets
+        positions = None
+        if layout.encoding == "offsets":
+            offsets = read.take(k, torch.int16).long() + _OFFSET_BIAS
+            positions = (torch.searchsorted(starts, layout.slots, right=True) - 1) * BLOCK + offsets
+        values = read.take(k, torch.bfloat16).to(dtype) if self.name == "bf16" else None
+        if layout.encoding == "bitmap":
+            bits = torch.bitwise_and(read.take(-(-layout.numel // 8), torch.uint8).unsqueeze(1), layout.bit_weights)
+            count = torch.cumsum(bits.ne(0).view(-1).narrow(0, 0, layout.numel), 0, dtype=torch.int32)
+            # the i-th set bit is the first coordinate whose running count reaches i + 1; the
+            # slots past the last set bit land past the end and are moved to the last coordinate
+            positions = torch.searchsorted(count, (layout.slots + 1).to(torch.int32)).clamp_(max=layout.numel - 1)
         if self.name == "bf16":
-            return always, positions, read.take(k, torch.bfloat16).to(dtype)
-        codes = read.take(k, torch.int8).float()
-        return always, positions, (codes * scales.index_select(0, layout.unit_of_slot)).to(dtype)
+            return always, positions, values
+        codes = (read.take(k, torch.int8) if self.name == "int8"
+                 else _unpack_nibbles(read.take(-(-k // 2), torch.uint8), k)).float()
+        return always, positions, (codes * _per_slot(scales, positions, layout)).to(dtype)
+
+
+DENSE_INT8 = Payload("int8")  # a dense step under ``--higgs-dense-int8``: every coordinate (density 1)
 
 
 def payload_format(name: str) -> Payload:

@@ -8,7 +8,8 @@ Protocol, per bucket and step (all peers of ``group`` take part, in the same ord
 2. ``all_gather_into_tensor`` of that buffer, asynchronously: the call returns at once and
    the gather runs while backward goes on.
 3. ``finish`` (after ``wait``): zero the bucket, then for each peer in rank order decode its
-   payload and ``index_add_`` its always-sent values and its selected values at their positions. Within
+   payload and ``index_add_`` its always-sent values and its selected values at their positions
+   (or, where a payload carries every coordinate in order, add it). Within
    one peer's payload a position holds at most one real value: a padding slot may repeat a
    position, but it adds an exact 0, so the order of the adds within a peer (atomic on a
    GPU) cannot change the sum. Every peer adds the same payloads in the same peer order, so
@@ -73,6 +74,9 @@ class PendingSparseReduce:
         self.target.zero_()
         for peer in range(self.world):
             always, positions, values = self.payload.unpack(per_peer.select(0, peer), self.layout, self.target.dtype)
+            if positions is None:  # every coordinate, in order
+                self.target.add_(values)
+                continue
             if always.numel():
                 self.target.index_add_(0, self.layout.always_positions, always)
             self.target.index_add_(0, positions, values)
