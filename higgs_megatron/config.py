@@ -156,16 +156,14 @@ class HiggsConfig:
                      "min_bucket_numel"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"{name} must be 0 or more, got {getattr(self, name)}")
-        if self.dense_bf16 and (not self.error_feedback or self.compressor == "none"):
-            raise ConfigError("dense_bf16", "dense_bf16 keeps its rounding in the error-feedback residual: it needs "
-                              "error feedback and a compressor other than 'none'")
+        for name in ("dense_bf16", "dense_int8"):
+            if getattr(self, name) and (not self.error_feedback or self.compressor == "none"):
+                raise ConfigError(name, f"{name} keeps its rounding in the error-feedback residual: it needs "
+                                  "error feedback and a compressor other than 'none'")
         if self.dense_int8 and (self.payload == "wide" or self.dense_bf16):
             raise ConfigError("dense_int8", "dense_int8 sends dense steps as a payload with every coordinate, which "
                               f"the blocked payloads have: it needs payload bf16, int8 or int4 (got {self.payload!r}) "
                               "and not dense_bf16")
-        if self.dense_int8 and (not self.error_feedback or self.compressor == "none"):
-            raise ConfigError("dense_int8", "dense_int8 keeps its rounding in the error-feedback residual: it needs "
-                              "error feedback and a compressor other than 'none'")
         if self.variance_refresh_iters and not self.freeze_adam_variance:
             raise ConfigError("variance_refresh_iters", "variance_refresh_iters refreshes a frozen second moment: it "
                               "needs freeze_adam_variance")

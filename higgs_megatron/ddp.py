@@ -337,9 +337,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             path = "dense" if dense else path_at(self.higgs_buckets[idx], density, shared.costs)
             step_density, step_payload = density, None
             if path == "dense" and self.higgs_buckets[idx].dense_in_int8 and not force_all_reduce:
-                # every coordinate in int8 (``--higgs-dense-int8``)
+                # a dense step as every coordinate in int8 (``--higgs-dense-int8``), through the sparse path
                 path, step_density, step_payload = "sparse", 1.0, DENSE_INT8
-                stats.dense_buckets += 1
             stats.dense_bytes += grad.numel() * grad.element_size()
             if path == "hierarchical":
                 if sums is not None:
@@ -384,7 +383,10 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 sparse_grad = compress_with_feedback(grad, plan, step_density, shared.selector, residual,
                                                      key=(self.higgs_index, idx), payload=step_payload)
             stats.bytes_sent += plan.payload_bytes(step_density, grad.dtype, step_payload)
-            stats.sparse_buckets += step_density == density
+            if step_payload is DENSE_INT8:
+                stats.dense_buckets += 1
+            else:
+                stats.sparse_buckets += 1
             if sums is not None:
                 sums.append(grad.sum(dtype=torch.float32))
             layout = plan.layout(step_density)

@@ -59,15 +59,18 @@ def test_sparse_sync_invariants(world_size, layout, min_param_numel, distopt, ti
 
 
 # Bytes per selected coordinate against the dense fp32 gradient's 4: 8 for wide, 4 for bf16, 3 for
-# int8, 2.5 for int4 (16-bit offsets at 1%).
-@pytest.mark.parametrize("payload,max_byte_ratio", [("bf16", 0.011), ("int8", 0.0085), ("int4", 0.0075)])
+# int8, 2.5 for int4 (16-bit offsets at 1%); at 25% a bitmap (1/8 a coordinate) and int4 (1/2 a
+# selected one): 0.25 bytes a coordinate, 1/16 of fp32's.
+@pytest.mark.parametrize("payload,max_byte_ratio", [
+    (["bf16"], 0.011), (["int8"], 0.0085), (["int4"], 0.0075),
+    pytest.param(["int4", "--higgs-compression-ratio", "0.25"], 0.066, id="int4-bitmap")])
 @pytest.mark.parametrize("world_size,layout,distopt", [
     (2, ["--global-batch-size", "16"], ["--use-distributed-optimizer"]),
     (4, ["--tensor-model-parallel-size", "2", "--global-batch-size", "16"], []),
 ], ids=["dp2-distopt", "tp2xdp2"])
 def test_sparse_sync_invariants_under_each_payload_format(world_size, layout, distopt, payload, max_byte_ratio,
                                                           tiny_gpt_args):
-    argv = _base(tiny_gpt_args, layout, distopt, iters=20) + SPARSE + ["--higgs-payload", payload]
+    argv = _base(tiny_gpt_args, layout, distopt, iters=20) + SPARSE + ["--higgs-payload", *payload]
     _check_sparse_sync_invariants(argv, world_size, max_byte_ratio)
 
 

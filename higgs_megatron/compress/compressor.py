@@ -79,6 +79,7 @@ class BucketPlan:
         self.payload = payload_format(payload) if isinstance(payload, str) else payload
         always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
         self.units = sorted((s for s in slots if s.numel >= min_param_numel), key=lambda s: s.start)
+        self.units_numel = sum(unit.numel for unit in self.units)
         self.always_positions = (
             torch.cat([torch.arange(s, e, dtype=torch.long, device=device) for s, e in always])
             if always else torch.empty(0, dtype=torch.long, device=device))
@@ -107,7 +108,7 @@ class BucketPlan:
         become slots too."""
         if self._layout_density != density:
             k = self.k_selected(density)
-            every = self.payload.blocked and bool(self.units) and k == sum(unit.numel for unit in self.units)
+            every = self.payload.blocked and 0 < self.units_numel == k
             self._layout = SlotLayout(self.numel, self.always_positions, self.numel if every else k,
                                       position_encoding(self.payload.name, self.numel, k, every),
                                       scale_span(density))

@@ -24,7 +24,7 @@ Rounding and error feedback. ``round`` replaces the values by what every peer wi
 (bf16, or a code times its scale, back in the gradient's dtype), before the residual is staged,
 so the rounding error stays in the residual: ``sent + residual == accumulated`` still holds
 exactly (the residual ``acc - sent`` is exact where the two are within a factor of two,
-Sterbenz; elsewhere ``sent`` is 0). The always-sent values of ``bf16`` and ``int8`` travel in
+Sterbenz; elsewhere ``sent`` is 0). The always-sent values of the blocked formats travel in
 bf16.
 
 Wire layout, one peer: the 4-byte sections first, then the 2-byte ones, then the 1-byte ones,
