@@ -47,9 +47,10 @@ def test_round_trip_at_the_block_edges(payload):
 
 @pytest.mark.parametrize("payload", BLOCKED)
 def test_bitmap_round_trip_with_padding_repeats_and_an_odd_length(payload):
-    """A bitmap above density 1/16: positions in order, the bucket's first and last coordinate
-    (its length not a multiple of 8), and padding slots that repeat a position with value 0:
-    the decoded payload adds up to the same gradient."""
+    """A bitmap above density 1/16: the bucket's first and last coordinate (its length not a
+    multiple of 8), and padding slots that repeat a position with value 0: the decoded payload
+    adds up to the same gradient, its positions come in order, and the slots' order going in
+    does not change a byte."""
     plan = _plan(payload, numel=3 * BLOCK + 3)
     density = 0.2
     layout = plan.layout(density)
@@ -73,6 +74,11 @@ def test_bitmap_round_trip_with_padding_repeats_and_an_odd_length(payload):
     unique = torch.unique(positions)
     assert torch.equal(decoded[:unique.numel()], unique)
     assert bool((decoded_values[unique.numel():] == 0).all())
+    # the encoder takes the slots in any order (the selector's, unsorted): the same bytes
+    shuffle = torch.randperm(k, generator=generator)
+    shuffled = SparseGrad(sparse.always, sparse.always_positions, sparse.positions[shuffle], sparse.values[shuffle],
+                          codes=None if sparse.codes is None else sparse.codes[shuffle], scales=sparse.scales)
+    assert torch.equal(plan.payload.pack(shuffled, layout), buffer)
 
 
 @pytest.mark.parametrize("payload", BLOCKED)

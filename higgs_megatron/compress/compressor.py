@@ -189,8 +189,8 @@ class ResidualBuffer:
 def compress(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,
              key: object = None, payload: Payload | None = None) -> SparseGrad:
     """The payload of ``acc`` at ``density``, its values rounded as the plan's format sends them.
-    Under a blocked format the positions come sorted: units are disjoint and ordered by start,
-    so the sort keeps each unit's slots together. Where the layout sends every coordinate
+    Under 16-bit offsets the positions come sorted: units are disjoint and ordered by start,
+    so the sort keeps each unit's slots together (a bitmap takes them in any order). Where the layout sends every coordinate
     (``implicit``), nothing is selected: the values are the whole of ``acc``."""
     layout, payload = plan.layout(density), payload or plan.payload
     if layout.encoding == "implicit":  # every coordinate, in order: nothing to select
@@ -207,7 +207,7 @@ def compress(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Sele
     if any(s.valid is not None for s in selections):
         valid = torch.cat([torch.ones_like(s.positions, dtype=torch.bool) if s.valid is None else s.valid
                            for s in selections])
-    if payload.blocked:
+    if layout.encoding == "offsets":
         positions, order = torch.sort(positions)
         valid = valid.index_select(0, order) if valid is not None else None
     values = acc.index_select(0, positions)

@@ -39,6 +39,12 @@ Padding slots (a sampled selector that came up short) repeat some position with 
 bitmap cannot repeat a position, so its encoder merges repeated positions (their values sum:
 the real value plus zeros) and fills the slots left over with 0; the decoder maps those slots
 to the bucket's last coordinate, where adding 0 changes nothing.
+
+The bitmap's encoder and decoder work in passes over the bucket, not in sorts or searches:
+the encoder takes the selected positions in any order, and puts each value at its slot, the
+number of set bits before it (a running count of the bitmap); the decoder writes each set
+coordinate into its slot by the same count. So the selector's positions need no sort under a
+bitmap (only 16-bit offsets need them sorted), and the decoder does no binary search.
 """
 
 from __future__ import annotations
@@ -97,7 +103,7 @@ class SlotLayout:
 
     @cached_property
     def slots(self) -> torch.Tensor:
-        """int64 [k]: 0..k-1, what a decoder searches the block starts (or the bitmap's count) for."""
+        """int64 [k]: 0..k-1, what the offsets' decoder searches the block starts for."""
         return torch.arange(self.k, device=self.device, dtype=torch.int64)
 
     @cached_property
@@ -133,7 +139,7 @@ class SparseGrad:
 
     always: torch.Tensor  # [n_always], acc's dtype
     always_positions: torch.Tensor  # int64 [n_always], the plan's
-    positions: torch.Tensor | None  # int64 [k]; sorted under the blocked formats
+    positions: torch.Tensor | None  # int64 [k]; sorted under 16-bit offsets
     values: torch.Tensor  # [k], acc's dtype
     codes: torch.Tensor | None = None  # int8 [k]
     scales: torch.Tensor | None = None  # fp32 [n_scales]
@@ -179,17 +185,31 @@ def _per_slot(scales: torch.Tensor, positions: torch.Tensor | None, layout: Slot
     return scales.index_select(0, positions // layout.span)
 
 
-def _merge_repeats(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``values`` summed per distinct position, in position order, then zeros: the bitmap's
-    value section (positions sorted; a repeat is a padding slot's, carrying 0)."""
-    if positions.numel() < 2:
-        return values
-    first = torch.ones_like(positions, dtype=torch.bool)
-    first.narrow(0, 1, positions.numel() - 1).copy_(positions.narrow(0, 1, positions.numel() - 1)
-                                                      != positions.narrow(0, 0, positions.numel() - 1))
-    rank = torch.cumsum(first, 0) - 1
+def _bitmap(positions: torch.Tensor, numel: int) -> torch.Tensor:
+    """uint8 [numel rounded up to 8]: 1 at each of ``positions`` (in any order, repeats allowed)."""
+    bits = torch.zeros(-(-numel // 8) * 8, dtype=torch.uint8, device=positions.device)
+    return bits.index_fill_(0, positions, 1)
+
+
+def _in_position_order(bits: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, k: int) -> torch.Tensor:
+    """The bitmap's value section: ``values`` summed per distinct position, in position order,
+    then zeros. A slot's place is the number of set bits before its position; a repeat is a
+    padding slot's and carries 0, so the sum is the real value."""
+    place = torch.cumsum(bits, 0, dtype=torch.int32).index_select(0, positions).long() - 1
     wide = values.to(torch.int32 if values.dtype == torch.int8 else values.dtype)
-    return torch.zeros_like(wide).index_add_(0, rank, wide).to(values.dtype)
+    return torch.zeros(k, dtype=wide.dtype, device=wide.device).index_add_(0, place, wide).to(values.dtype)
+
+
+def _bitmap_positions(packed: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
+    """int64 [k]: the set coordinates of a packed bitmap, in order, then the last coordinate for
+    each slot left over. Each set coordinate is written to its slot (the set bits before it);
+    each unset coordinate i to a spare place, k + i, past the slots, so every write has a place
+    of its own and the result does not depend on the order of the writes."""
+    k, numel, device = layout.k, layout.numel, packed.device
+    bits = torch.bitwise_and(packed.unsqueeze(1), layout.bit_weights).ne(0).view(-1).narrow(0, 0, numel)
+    place = torch.where(bits, torch.cumsum(bits, 0).sub_(1), torch.arange(k, k + numel, device=device))
+    positions = torch.full((k + numel,), numel - 1, dtype=torch.int64, device=device)
+    return positions.scatter_(0, place, torch.arange(numel, device=device)).narrow(0, 0, k)
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -214,7 +234,7 @@ class Payload:
 
     @property
     def blocked(self) -> bool:
-        """Positions as offsets in blocks or a bitmap: the selected positions must come sorted."""
+        """Positions as offsets in blocks or a bitmap (not int32)."""
         return self.name != "wide"
 
     @property
@@ -266,12 +286,11 @@ class Payload:
         if layout.encoding == "offsets":
             parts.append(_bytes((torch.bitwise_and(sparse.positions, BLOCK - 1) - _OFFSET_BIAS).to(torch.int16)))
         elif layout.encoding == "bitmap":
-            values = _merge_repeats(sparse.positions, values)
+            bits = _bitmap(sparse.positions, layout.numel)
+            values = _in_position_order(bits, sparse.positions, values, layout.k)
         if self.name == "bf16":
             parts.append(_bytes(values))
         if layout.encoding == "bitmap":
-            bits = torch.zeros(-(-layout.numel // 8) * 8, dtype=torch.uint8, device=values.device)
-            bits.index_fill_(0, sparse.positions, 1)
             parts.append((bits.view(-1, 8) * layout.bit_weights).sum(1, dtype=torch.uint8))
         if self.name == "int8":
             parts.append(_bytes(values))
@@ -296,11 +315,7 @@ class Payload:
             positions = (torch.searchsorted(starts, layout.slots, right=True) - 1) * BLOCK + offsets
         values = read.take(k, torch.bfloat16).to(dtype) if self.name == "bf16" else None
         if layout.encoding == "bitmap":
-            bits = torch.bitwise_and(read.take(-(-layout.numel // 8), torch.uint8).unsqueeze(1), layout.bit_weights)
-            count = torch.cumsum(bits.ne(0).view(-1).narrow(0, 0, layout.numel), 0, dtype=torch.int32)
-            # the i-th set bit is the first coordinate whose running count reaches i + 1; the
-            # slots past the last set bit land past the end and are moved to the last coordinate
-            positions = torch.searchsorted(count, (layout.slots + 1).to(torch.int32)).clamp_(max=layout.numel - 1)
+            positions = _bitmap_positions(read.take(-(-layout.numel // 8), torch.uint8), layout)
         if self.name == "bf16":
             return always, positions, values
         codes = (read.take(k, torch.int8) if self.name == "int8"
