@@ -54,6 +54,20 @@ def read_log(log_json: Path) -> tuple[list[dict], list[dict]]:
     return ([r for r in records if r["type"] == "iteration"], [r for r in records if r["type"] == "event"])
 
 
+def finished(log_json: Path, train_iters: int) -> bool:
+    """Whether ``log_json`` holds a whole run: its last iteration record at ``train_iters`` and a
+    validation after it (a run that was stopped, or failed, is not finished)."""
+    if not log_json.is_file():
+        return False
+    try:
+        iterations, events = read_log(log_json)
+    except (json.JSONDecodeError, KeyError):  # a line cut short by a kill
+        return False
+    validations = [e for e in events if e.get("event") == "validation"]
+    return bool(iterations and validations and iterations[-1]["iteration"] == train_iters
+                and validations[-1]["iteration"] == train_iters)
+
+
 def summarize(log_json: Path) -> dict:
     iterations, events = read_log(log_json)
     validations = [e for e in events if e["event"] == "validation"]

@@ -43,8 +43,10 @@ def setup_logging(level: int = logging.INFO) -> logging.Logger:
 
 
 def get_logger(name: str) -> logging.Logger:
-    """The logger of a module of this package (``__name__``), under the package's logger."""
-    return logging.getLogger(name)
+    """The logger of a module of this package (``__name__``), under the package's logger; a
+    name outside the package (a script's) is put under it, so its lines reach the handlers."""
+    package = logger.name
+    return logging.getLogger(name if name == package or name.startswith(package + ".") else f"{package}.{name}")
 
 
 def log_single_rank(log: logging.Logger, level: int, message: str, rank: int = 0) -> None:

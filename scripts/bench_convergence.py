@@ -24,7 +24,7 @@ The default is the long run, 9,600 iterations (about 40 minutes per run on a 2-c
 ``--train-iters 2400`` is the short one.
 
     python scripts/bench_convergence.py [--train-iters 9600] [--nproc 2] [--runs dense,peer,ef,lean]
-                                        [--out runs/convergence]
+                                        [--out runs/convergence] [--keep]
 """
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from higgs_megatron.benchmarks import (REPO, higgs_flags, markdown_table, run_pretrain, summarize,  # noqa: E402
-                                       validation_curve)
+from higgs_megatron.benchmarks import (REPO, finished, higgs_flags, markdown_table, run_pretrain,  # noqa: E402
+                                       summarize, validation_curve)
 from higgs_megatron.compress.payload import PAYLOADS  # noqa: E402
+from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
+
+log = get_logger("bench_convergence")
 
 
 RUNS = ("dense", "peer", "ef", "lean", "no-ef")
@@ -96,9 +99,12 @@ def main() -> int:
     parser.add_argument("--also", action="append", default=[], type=also_log, metavar="LOG=NAME",
                         help="add another run's JSONL log to the table and the plot")
     parser.add_argument("--reuse", action="store_true", help="tabulate the logs already in --out; train nothing")
+    parser.add_argument("--keep", action="store_true", help="train only the runs without a finished log in --out "
+                        "(one that reached --train-iters): an interrupted benchmark goes on where it stopped")
     parser.add_argument("extra", nargs="*", help="more pretrain flags for every run, after -- (not --higgs-* "
                         "ones: the dense run refuses them; the compressed runs take --density and the schedule flags)")
     args = parser.parse_args()
+    setup_logging()
     out = Path(args.out)
     common = ["--train-iters", str(args.train_iters), "--log-interval", "10",
               "--eval-interval", str(max(1, args.train_iters // 12)), "--eval-iters", "10",
@@ -121,12 +127,14 @@ def main() -> int:
     for key, (name, flags, script) in configurations.items():
         if key not in args.runs:
             continue
-        log = out / f"{key}.jsonl"
-        if not args.reuse:
-            run_pretrain(flags, log, args.nproc, quiet=True, script=script)
-        rows[name], curves[name] = summarize(log), validation_curve(log)
-    for log, name in args.also:
-        rows[name], curves[name] = summarize(log), validation_curve(log)
+        log_json = out / f"{key}.jsonl"
+        if args.keep and finished(log_json, args.train_iters):
+            log.info(f"{key}: {log_json} is a finished run of {args.train_iters} iterations, kept")
+        elif not args.reuse:
+            run_pretrain(flags, log_json, args.nproc, quiet=True, script=script)
+        rows[name], curves[name] = summarize(log_json), validation_curve(log_json)
+    for also_json, name in args.also:
+        rows[name], curves[name] = summarize(also_json), validation_curve(also_json)
     dense = next(iter(rows.values()))
     for row in rows.values():
         row["loss vs dense"] = row["final validation loss"] / dense["final validation loss"]

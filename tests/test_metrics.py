@@ -7,6 +7,7 @@ import time
 import sys
 import types
 
+from higgs_megatron.benchmarks import finished
 from higgs_megatron.callbacks import Callback, WandbCallback
 from higgs_megatron.training.metrics import LogWindow, MetricsLogger
 
@@ -41,6 +42,43 @@ def test_logger_writes_megatron_line_and_json(tmp_path):
     quiet = MetricsLogger(is_writer=False, log_json=str(tmp_path / "other.jsonl"))
     quiet.event("x")
     assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_a_benchmark_keeps_only_finished_runs(tmp_path):
+    """``bench_convergence.py --keep`` trains again any run whose log did not reach the end
+    (stopped, failed, or cut mid-line by a kill)."""
+    path = tmp_path / "run.jsonl"
+    assert not finished(path, 20)
+    log = MetricsLogger(is_writer=True, log_json=str(path), stream=io.StringIO())
+    for iteration in (10, 20):
+        log.iteration(iteration, 20, {"lm loss": 2.5, "tokens per second": 1000.0})
+    assert not finished(path, 20)  # no validation at the end yet
+    log.event("validation", " validation loss at iteration 20: 2.4", iteration=20, loss=2.4)
+    log.close()
+    assert finished(path, 20) and not finished(path, 40)
+    path.write_text(path.read_text() + '{"type": "iteration", "itera')
+    assert not finished(path, 20)
+
+
+def test_a_scripts_logger_reaches_the_packages_handlers():
+    """A script's ``get_logger("bench_x")`` logs through the package's handlers (a logger
+    outside the package would print nothing at INFO)."""
+    import logging
+
+    from higgs_megatron.logs import get_logger, logger, setup_logging
+
+    setup_logging()
+    assert get_logger("bench_x").name == "higgs_megatron.bench_x"
+    assert get_logger("higgs_megatron.training").name == "higgs_megatron.training"
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        get_logger("bench_x").info("kept")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["kept"]
 
 
 class Recording(Callback):
