@@ -54,6 +54,10 @@ def read_log(log_json: Path) -> tuple[list[dict], list[dict]]:
     return ([r for r in records if r["type"] == "iteration"], [r for r in records if r["type"] == "event"])
 
 
+def _validations(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["event"] == "validation"]
+
+
 def finished(log_json: Path, train_iters: int) -> bool:
     """Whether ``log_json`` holds a whole run: its last iteration record at ``train_iters`` and a
     validation after it (a run that was stopped, or failed, is not finished)."""
@@ -61,16 +65,16 @@ def finished(log_json: Path, train_iters: int) -> bool:
         return False
     try:
         iterations, events = read_log(log_json)
+        validations = _validations(events)
     except (json.JSONDecodeError, KeyError):  # a line cut short by a kill
         return False
-    validations = [e for e in events if e.get("event") == "validation"]
     return bool(iterations and validations and iterations[-1]["iteration"] == train_iters
                 and validations[-1]["iteration"] == train_iters)
 
 
 def summarize(log_json: Path) -> dict:
     iterations, events = read_log(log_json)
-    validations = [e for e in events if e["event"] == "validation"]
+    validations = _validations(events)
     steady = iterations[1:] or iterations  # the first window holds start-up costs
     return {
         "iterations": iterations[-1]["iteration"],
@@ -94,7 +98,7 @@ def _ratio(a: float, b: float) -> float:
 
 def validation_curve(log_json: Path) -> list[tuple[int, float]]:
     _, events = read_log(log_json)
-    return [(e["iteration"], e["loss"]) for e in events if e["event"] == "validation"]
+    return [(e["iteration"], e["loss"]) for e in _validations(events)]
 
 
 def markdown_table(rows: dict[str, dict], columns: Sequence[str], baseline: str | None = None) -> str:

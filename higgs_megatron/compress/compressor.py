@@ -190,8 +190,9 @@ def compress(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Sele
              key: object = None, payload: Payload | None = None) -> SparseGrad:
     """The payload of ``acc`` at ``density``, its values rounded as the plan's format sends them.
     Under 16-bit offsets the positions come sorted: units are disjoint and ordered by start,
-    so the sort keeps each unit's slots together (a bitmap takes them in any order). Where the layout sends every coordinate
-    (``implicit``), nothing is selected: the values are the whole of ``acc``."""
+    so the sort keeps each unit's slots together (a bitmap takes them in any order). Where the
+    layout sends every coordinate (``implicit``), nothing is selected: the values are the whole
+    of ``acc``."""
     layout, payload = plan.layout(density), payload or plan.payload
     if layout.encoding == "implicit":  # every coordinate, in order: nothing to select
         empty = acc.new_empty(0)
