@@ -180,3 +180,48 @@ def test_refresh_windows_need_a_frozen_moment_and_fit_between_each_other():
     windows = HiggsConfig(dense_iters=240, freeze_adam_variance=True, variance_refresh_iters=20)
     assert [step for step in range(2400) if windows.refresh_window(step)] == \
         list(range(480, 500)) + list(range(960, 980)) + list(range(1920, 1940))
+
+
+def test_a_variance_beta2_builds_the_moment_to_freeze_and_leaves_the_groups_betas():
+    """With ``beta2``, torch's updates (before the freeze) are AdamW's with that beta2, bitwise; the
+    frozen update is bias-corrected with it; the param groups, as a checkpoint saves them, keep
+    the user's betas."""
+    frozen, _ = _pair(freeze_step=3)
+    freeze_variance(frozen, 3, beta2=0.99)
+    params = frozen.param_groups[0]["params"]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    longer = torch.optim.AdamW(twins, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    for step in range(1, 6):
+        grads = [torch.randn_like(p) * (1.0 if step <= 3 else 0.5) for p in params]
+        before = [p.detach().clone() for p in params]
+        moments = [(frozen.state[p]["exp_avg"].clone(), frozen.state[p]["exp_avg_sq"].clone()) if frozen.state[p]
+                   else None for p in params]
+        _step(frozen, grads)
+        _step(longer, grads)
+        assert frozen.param_groups[0]["betas"] == (0.9, 0.95)
+        if step <= 3:
+            assert all(torch.equal(p, q) for p, q in zip(params, twins)), step
+            continue
+        for p, g, x, (m, v) in zip(params, grads, before, moments):
+            m = 0.9 * m + 0.1 * g
+            expected = x * (1 - 1e-2 * 0.1) - 1e-2 / (1 - 0.9 ** step) * m / ((v / (1 - 0.99 ** 3)).sqrt() + 1e-8)
+            torch.testing.assert_close(p.detach(), expected)
+    assert frozen.state_dict()["param_groups"][0]["betas"] == (0.9, 0.95)
+    with pytest.raises(ValueError, match=r"beta2 must be in \(0, 1\), got 1.0"):
+        freeze_variance(frozen, 3, beta2=1.0)
+
+
+def test_a_variance_beta2_needs_a_frozen_moment_and_a_decay_below_one():
+    from higgs_megatron.config import HiggsConfig, higgs_config_from_args, add_higgs_args
+    import argparse
+
+    with pytest.raises(ValueError, match="variance_beta2 is the decay of a second moment that will be frozen"):
+        HiggsConfig(dense_iters=10, variance_beta2=0.99)
+    with pytest.raises(ValueError, match=r"variance_beta2 must be in \(0, 1\), got 0.0"):
+        HiggsConfig(dense_iters=10, freeze_adam_variance=True, variance_beta2=0.0)
+    parser = argparse.ArgumentParser()
+    add_higgs_args(parser)
+    args = parser.parse_args(["--use-higgs", "--higgs-dense-iters", "10", "--higgs-freeze-adam-variance",
+                              "--higgs-variance-beta2", "0.975"])
+    assert higgs_config_from_args(args).variance_beta2 == 0.975
+    assert higgs_config_from_args(parser.parse_args(["--use-higgs"])).variance_beta2 is None
