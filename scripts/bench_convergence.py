@@ -66,8 +66,6 @@ def lean_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--higgs-freeze-adam-variance", f"--higgs-dense-{args.lean_dense_wire}"]
         if args.lean_refresh_iters:
             flags += ["--higgs-variance-refresh-iters", str(min(dense, args.lean_refresh_iters))]
-        if args.lean_variance_beta2 is not None:
-            flags += ["--higgs-variance-beta2", f"{args.lean_variance_beta2:g}"]
     return flags
 
 
@@ -95,8 +93,6 @@ def main() -> int:
     parser.add_argument("--lean-ramp-iters", type=int, default=None, help="default: a twentieth of --train-iters")
     parser.add_argument("--lean-refresh-iters", type=int, default=20,
                         help="--higgs-variance-refresh-iters (0: the second moment stays frozen)")
-    parser.add_argument("--lean-variance-beta2", type=float, default=None,
-                        help="--higgs-variance-beta2 (default: Adam's own beta2 builds the moment to freeze)")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--runs", default="dense,peer,ef,lean", type=runs_list,
                         help=f"comma-separated, from {', '.join(RUNS)} (dense is needed: the ratios are to it)")
