@@ -91,13 +91,6 @@ class HiggsConfig:
     With beta2 = 0.95 about 20 iterations replace most of it; the windows cost that many dense
     steps each, a number that grows with the log of the run's length."""
 
-    variance_beta2: float | None = field(default=None, metadata=_flag(
-        "--higgs-variance-beta2", "with --higgs-freeze-adam-variance: Adam's beta2 in the dense stage and refresh "
-        "windows, the steps whose second moment is frozen after them (default: --adam-beta2)", type=float))
-    """With ``freeze_adam_variance``: the second moment's decay in the steps that build the moment
-    to be frozen (the dense stage, the refresh windows), instead of Adam's own. A longer horizon
-    freezes a smoother estimate (``frozen_variance``); the other steps do not read it."""
-
     dense_bf16: bool = field(default=False, metadata=_flag(
         "--higgs-dense-bf16", "send the dense steps of compressed buckets (the dense stage, a ramp's early steps) in "
         "bf16, the rounding kept in the error-feedback residual", action="store_true"))
@@ -177,12 +170,6 @@ class HiggsConfig:
         if self.variance_refresh_iters > self.dense_iters:
             raise ConfigError("variance_refresh_iters", f"variance_refresh_iters ({self.variance_refresh_iters}) must "
                               f"be at most dense_iters ({self.dense_iters}): each window ends before the next starts")
-        if self.variance_beta2 is not None:
-            if not self.freeze_adam_variance:
-                raise ConfigError("variance_beta2", "variance_beta2 is the decay of a second moment that will be "
-                                  "frozen: it needs freeze_adam_variance")
-            if not 0.0 < self.variance_beta2 < 1.0:
-                raise ConfigError("variance_beta2", f"variance_beta2 must be in (0, 1), got {self.variance_beta2}")
         if self.freeze_adam_variance and self.dense_iters == 0:
             raise ConfigError("freeze_adam_variance", "freeze_adam_variance needs dense_iters > 0: the frozen second "
                               "moment is the one Adam learned in the dense stage")

@@ -33,14 +33,6 @@ So it can be thawed for a few steps at a time (``thawed``; 0/1 Adam's variance r
 al., 2022): torch's Adam runs those steps, on densely synced gradients, and the second moment
 moves as it would have.
 
-A frozen second moment is also an estimate held for hundreds of steps. With beta2 = 0.95 it
-averages about twenty squared gradients per coordinate, a noisy estimate that live Adam
-redraws every step; frozen, each coordinate's error becomes a step size too long or too
-short for the whole stretch (1-bit Adam froze a beta2 = 0.999 moment, averaged over a
-thousand steps). So the steps whose moment will be frozen, the dense stage and the
-refresh windows, can run with a longer-horizon ``beta2`` of their own (``beta2``;
-``--higgs-variance-beta2``): the moment is smoother when it freezes, and nothing else is kept.
-
 A coordinate whose second moment is exactly zero when it freezes had no gradient in the
 whole dense stage (an untied embedding row of a token not yet seen): it has no scale to
 keep, and dividing by ``eps`` would move it ``lr * m / eps`` on its first gradient. So on the
@@ -79,53 +71,35 @@ def check_supported(torch_optimizer: torch.optim.Optimizer, flag: str) -> None:
 
 
 def freeze_variance(torch_optimizer: torch.optim.Optimizer, freeze_step: int,
-                    thawed: Callable[[int], bool] | None = None, beta2: float | None = None) -> None:
+                    thawed: Callable[[int], bool] | None = None) -> None:
     """From Adam step ``freeze_step`` on, update with the second moment of that step (see the
     module docstring); ``thawed(step)``: whether the update from ``step`` (0-based, the updates
     done before it) takes torch's own Adam after all, which moves the second moment (the
-    refresh windows of ``HiggsConfig.refresh_window``); ``beta2``: the second moment's decay in
-    torch's updates (the ones whose moment will be frozen), instead of the param group's.
-    Only this instance's ``step`` is replaced: torch pickles an optimizer without it, so a copy
-    made that way is plain AdamW until frozen again."""
+    refresh windows of ``HiggsConfig.refresh_window``). Only this instance's ``step`` is
+    replaced: torch pickles an optimizer without it, so a copy made that way is plain AdamW
+    until frozen again."""
     check_supported(torch_optimizer, "freeze_variance")
-    if beta2 is not None and not 0.0 < beta2 < 1.0:
-        raise ValueError(f"freeze_variance: beta2 must be in (0, 1), got {beta2}")
     torch_optimizer._higgs_freeze_step = freeze_step
     torch_optimizer._higgs_thawed = thawed or (lambda step: False)
-    torch_optimizer._higgs_beta2 = beta2
     torch_optimizer.step = types.MethodType(_step, torch_optimizer)
 
 
 def _step(self: torch.optim.Optimizer, closure=None):
     assert closure is None, "frozen-variance Adam takes no closure"
+    adam_step = type(self).step
     frozen = _frozen_params(self)
     if not frozen:
-        return _adam_step(self)
+        return adam_step(self)
     saved = [(group, group["params"]) for group in self.param_groups]
     try:  # torch's update for the params not yet frozen, ours for the rest
         for group in self.param_groups:
             group["params"] = [p for p in group["params"] if id(p) not in frozen]
         if any(group["params"] for group in self.param_groups):
-            _adam_step(self)
+            adam_step(self)
     finally:
         for group, params in saved:
             group["params"] = params
     _frozen_step(self, frozen)
-
-
-def _adam_step(self: torch.optim.Optimizer):
-    """torch's own AdamW step, with the second moment's decay of ``freeze_variance(beta2=...)``
-    for its duration (the param groups, and so a checkpoint, keep the user's betas)."""
-    if self._higgs_beta2 is None:
-        return type(self).step(self)
-    betas = [group["betas"] for group in self.param_groups]
-    try:
-        for group in self.param_groups:
-            group["betas"] = (group["betas"][0], self._higgs_beta2)
-        return type(self).step(self)
-    finally:
-        for group, saved in zip(self.param_groups, betas):
-            group["betas"] = saved
 
 
 def _frozen_params(torch_optimizer: torch.optim.Optimizer) -> set[int]:
@@ -152,7 +126,7 @@ def _frozen_step(torch_optimizer: torch.optim.Optimizer, frozen: set[int]) -> No
         params = [p for p in group["params"] if id(p) in frozen]
         if not params:
             continue
-        beta1, beta2 = group["betas"][0], torch_optimizer._higgs_beta2 or group["betas"][1]
+        beta1, beta2 = group["betas"]
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
         states = [torch_optimizer.state[p] for p in params]
         grads = [p.grad for p in params]

@@ -74,8 +74,7 @@ class HiggsOptimizer(MegatronOptimizer):
             for torch_optimizer in inner:  # all checked before any is changed
                 check_supported(torch_optimizer, "--higgs-freeze-adam-variance")
             for torch_optimizer in inner:
-                freeze_variance(torch_optimizer, config.dense_iters, thawed=config.refresh_window,
-                                beta2=config.variance_beta2)
+                freeze_variance(torch_optimizer, config.dense_iters, thawed=config.refresh_window)
 
     def __getattr__(self, name: str):
         if name == "inner":  # not yet set (during unpickling)
