@@ -152,3 +152,25 @@ def test_tensorboard_callback_writes_iterations_and_events(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [(1, 3.0), (2, 2.5)]
     assert [(e.step, e.value) for e in events.Scalars("progress_alignment/seconds_lost")] == [(2, 4.0)]
+
+
+def test_the_lean_schedules_flags_make_a_valid_config():
+    """``bench_convergence.py``'s lean flags parse into the HiggsConfig they describe (a flag the
+    config refuses would fail the benchmark's run, hours in)."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from higgs_megatron.config import add_higgs_args, higgs_config_from_args
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_convergence.py"
+    spec = importlib.util.spec_from_file_location("bench_convergence", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    parser = add_higgs_args(argparse.ArgumentParser())
+    schedule = argparse.Namespace(train_iters=2400, lean_dense_iters=None, lean_ramp_iters=None, lean_density=0.25,
+                                  lean_payload="int4", lean_dense_wire="int8", lean_refresh_iters=20)
+    config = higgs_config_from_args(parser.parse_args(bench.lean_flags(schedule)))
+    assert (config.dense_iters, config.density_warmup_iters, config.variance_refresh_iters) == (240, 120, 20)
+    assert config.freeze_adam_variance and config.dense_int8 and config.payload == "int4"
+    assert config.compression_ratio == 0.25 and config.sync == "sparse"
