@@ -55,6 +55,7 @@ def read_log(log_json: Path) -> tuple[list[dict], list[dict]]:
 
 
 def _validations(events: list[dict]) -> list[dict]:
+    """A log's validation events, in order (KeyError on an event record without its name)."""
     return [e for e in events if e["event"] == "validation"]
 
 

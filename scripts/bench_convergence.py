@@ -76,7 +76,7 @@ def also_log(value: str) -> tuple[Path, str]:
     return Path(log), name
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train-iters", type=int, default=9600)
     parser.add_argument("--nproc", type=int, default=2)
@@ -103,7 +103,11 @@ def main() -> int:
                         "(one that reached --train-iters): an interrupted benchmark goes on where it stopped")
     parser.add_argument("extra", nargs="*", help="more pretrain flags for every run, after -- (not --higgs-* "
                         "ones: the dense run refuses them; the compressed runs take --density and the schedule flags)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     setup_logging()
     out = Path(args.out)
     common = ["--train-iters", str(args.train_iters), "--log-interval", "10",

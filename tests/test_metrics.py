@@ -154,23 +154,28 @@ def test_tensorboard_callback_writes_iterations_and_events(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("progress_alignment/seconds_lost")] == [(2, 4.0)]
 
 
-def test_the_lean_schedules_flags_make_a_valid_config():
-    """``bench_convergence.py``'s lean flags parse into the HiggsConfig they describe (a flag the
-    config refuses would fail the benchmark's run, hours in)."""
+def test_the_benchmarks_schedules_make_the_configs_they_describe():
+    """``bench_convergence.py``'s compressed runs, at the script's own defaults, parse into the
+    HiggsConfigs its docstring describes (a flag the config refuses would fail the benchmark's
+    run, hours in; a changed default would change every table built with it)."""
     import argparse
     import importlib.util
     from pathlib import Path
 
+    from higgs_megatron.benchmarks import higgs_flags
     from higgs_megatron.config import add_higgs_args, higgs_config_from_args
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "bench_convergence.py"
     spec = importlib.util.spec_from_file_location("bench_convergence", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    args = bench.build_parser().parse_args(["--train-iters", "2400"])
     parser = add_higgs_args(argparse.ArgumentParser())
-    schedule = argparse.Namespace(train_iters=2400, lean_dense_iters=None, lean_ramp_iters=None, lean_density=0.25,
-                                  lean_payload="int4", lean_dense_wire="int8", lean_refresh_iters=20)
-    config = higgs_config_from_args(parser.parse_args(bench.lean_flags(schedule)))
-    assert (config.dense_iters, config.density_warmup_iters, config.variance_refresh_iters) == (240, 120, 20)
-    assert config.freeze_adam_variance and config.dense_int8 and config.payload == "int4"
-    assert config.compression_ratio == 0.25 and config.sync == "sparse"
+    lean = higgs_config_from_args(parser.parse_args(bench.lean_flags(args)))
+    assert (lean.dense_iters, lean.density_warmup_iters, lean.variance_refresh_iters) == (240, 120, 20)
+    assert lean.freeze_adam_variance and lean.dense_int8 and lean.payload == "int4"
+    assert lean.compression_ratio == 0.25 and lean.sync == "sparse"
+    ef = higgs_config_from_args(parser.parse_args(higgs_flags(args.density, args.train_iters, args.dense_iters,
+                                                              args.density_warmup_iters)))
+    assert (ef.compression_ratio, ef.dense_iters, ef.density_warmup_iters) == (0.01, 600, 800)
+    assert ef.freeze_adam_variance and ef.payload == "wide" and ef.error_feedback
