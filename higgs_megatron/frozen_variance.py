@@ -1,4 +1,4 @@
-"""Adam with its second moment frozen: the optimizer stage that error feedback needs.
+"""Adam with its second moment frozen: the optimizer stage that error feedback needs at low density.
 
 Why. Error feedback sends, late and all at once, gradient mass that top-k held back: a
 coordinate picked once every ~1/density steps arrives as one burst of the gradients it
@@ -26,6 +26,14 @@ A burst of error feedback touches a small fraction of a tensor's coordinates and
 stays below the cap, so bursts remain linear; a tensor whose whole gradient blows up is held
 to Adam's usual step size. In a small model, where one selected coordinate is a larger share
 of a small tensor, the cap binds more often and costs a little loss.
+
+Only at low density. The flattening grows with a burst's length, about 1/density steps; the
+frozen moment's costs do not: it is an estimate of about twenty squared gradients per
+coordinate (beta2 = 0.95) kept for hundreds of steps, where live Adam redraws it every step,
+and it keeps the gradients' scale of the moment it froze. At 1% a burst stands for a hundred
+steps and freezing is what makes error feedback work; at 25% (the lean schedule of
+``scripts/bench_convergence.py``) a burst is a few steps long, and Adam as it is did as well
+as frozen Adam on one model and better on another (``docs/experiments/convergence.md``).
 
 A second moment frozen early (at the end of the learning-rate warm-up, for a short dense
 stage) keeps the gradients' scale of then, and as they shrink every later step is too short.

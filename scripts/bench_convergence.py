@@ -11,9 +11,12 @@ the whole run and per step at the end, and tokens/s. The runs (``--runs``, in th
   since the first release: dense for the first quarter of the iterations, Adam's second moment
   frozen as that ends, density from 1 to the target over the next third, wide payload;
 * ``lean``: the schedule for fewer bytes (``--lean-*`` flags): a dense stage sent in int8 (or
-  bf16) up to the end of the learning-rate warm-up, Adam's second moment frozen then and
-  refreshed in short dense windows at 2, 4, 8... times the dense stage, a short ramp, and a
-  compact payload (by default 25% of the coordinates, a bitmap and 4-bit values);
+  bf16) up to the end of the learning-rate warm-up, a short ramp, and a compact payload (by
+  default 25% of the coordinates, a bitmap and 4-bit values), with Adam as it is: at 25%
+  error feedback's bursts are a few steps long, and a frozen second moment cost more loss
+  than they do. ``--lean-freeze-variance`` freezes it after the dense stage and refreshes it in
+  short dense windows at 2, 4, 8... times the dense stage (the lean schedule before that was
+  measured; ``docs/experiments/convergence.md``);
 * ``no-ef``: ``ef`` without error feedback.
 
 Writes ``convergence.md`` and ``convergence.png`` (the validation-loss curves, and each run's
@@ -63,9 +66,12 @@ def lean_flags(args: argparse.Namespace) -> list[str]:
              "--higgs-payload", args.lean_payload, "--higgs-dense-iters", str(dense),
              "--higgs-density-warmup-iters", str(ramp)]
     if dense:
-        flags += ["--higgs-freeze-adam-variance", f"--higgs-dense-{args.lean_dense_wire}"]
-        if args.lean_refresh_iters:
-            flags += ["--higgs-variance-refresh-iters", str(min(dense, args.lean_refresh_iters))]
+        flags.append(f"--higgs-dense-{args.lean_dense_wire}")
+        if args.lean_freeze_variance:
+            flags.append("--higgs-freeze-adam-variance")
+            refresh = 20 if args.lean_refresh_iters is None else args.lean_refresh_iters
+            if refresh:
+                flags += ["--higgs-variance-refresh-iters", str(min(dense, refresh))]
     return flags
 
 
@@ -91,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lean-dense-iters", type=int, default=None,
                         help="default: the learning-rate warm-up, a tenth of --train-iters")
     parser.add_argument("--lean-ramp-iters", type=int, default=None, help="default: a twentieth of --train-iters")
-    parser.add_argument("--lean-refresh-iters", type=int, default=20,
-                        help="--higgs-variance-refresh-iters (0: the second moment stays frozen)")
+    parser.add_argument("--lean-freeze-variance", action="store_true",
+                        help="freeze Adam's second moment after the dense stage (--higgs-freeze-adam-variance)")
+    parser.add_argument("--lean-refresh-iters", type=int, default=None, help="with --lean-freeze-variance: "
+                        "--higgs-variance-refresh-iters, default 20 (0: the second moment stays frozen)")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--runs", default="dense,peer,ef,lean", type=runs_list,
                         help=f"comma-separated, from {', '.join(RUNS)} (dense is needed: the ratios are to it)")
@@ -107,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.lean_refresh_iters is not None and not args.lean_freeze_variance:
+        parser.error("--lean-refresh-iters refreshes a frozen second moment: it needs --lean-freeze-variance")
     setup_logging()
     out = Path(args.out)
     common = ["--train-iters", str(args.train_iters), "--log-interval", "10",
@@ -122,7 +133,7 @@ def main() -> int:
         "ef": (f"higgs top-k {args.density:g} + error feedback (the first schedule)", common + higgs,
                "examples/pretrain_gpt.py"),
         "lean": (f"higgs top-k {args.lean_density:g}, {args.lean_payload} payload, {args.lean_dense_wire} dense "
-                 "stage (lean)",
+                 f"stage{', frozen second moment' if args.lean_freeze_variance else ''} (lean)",
                  common + lean, "examples/pretrain_gpt.py"),
         "no-ef": (f"higgs top-k {args.density:g}, no error feedback", common + higgs + ["--no-higgs-error-feedback"],
                   "examples/pretrain_gpt.py"),
