@@ -34,6 +34,30 @@ def higgs_flags(density: float, train_iters: int, dense_iters: int | None = None
     return flags + (["--higgs-freeze-adam-variance"] if dense_iters else [])
 
 
+def lean_flags(train_iters: int, density: float = 0.25, payload: str = "int4", dense_wire: str = "int8",
+               dense_iters: int | None = None, ramp_iters: int | None = None, freeze_variance: bool = False,
+               refresh_iters: int = 20) -> list[str]:
+    """``--use-higgs`` with the schedule for fewest bytes over a run: a dense stage as long as
+    the pretrain script's learning-rate warm-up (a tenth of the run) sent as ``dense_wire``
+    ('int8' or 'bf16'), a ramp over a twentieth of the run to ``density``, the ``payload``
+    format, and Adam as it is (at a density of a quarter error feedback's bursts are a few
+    steps long, and a frozen second moment cost more loss than they do). ``freeze_variance``
+    freezes it after the dense stage instead, refreshed for ``refresh_iters`` at 2, 4, 8...
+    times the dense stage (0: never)."""
+    dense_iters = train_iters // 10 if dense_iters is None else dense_iters
+    ramp_iters = train_iters // 20 if ramp_iters is None else ramp_iters
+    flags = ["--use-higgs", "--higgs-compression-ratio", f"{density:g}", "--higgs-sync", "sparse",
+             "--higgs-payload", payload, "--higgs-dense-iters", str(dense_iters),
+             "--higgs-density-warmup-iters", str(ramp_iters)]
+    if dense_iters:
+        flags.append(f"--higgs-dense-{dense_wire}")
+        if freeze_variance:
+            flags.append("--higgs-freeze-adam-variance")
+            if refresh_iters:
+                flags += ["--higgs-variance-refresh-iters", str(min(dense_iters, refresh_iters))]
+    return flags
+
+
 def run_pretrain(flags: Sequence[str], log_json: Path, nproc: int, quiet: bool = False,
                  script: str = "examples/pretrain_gpt.py") -> None:
     """One training job of ``script`` (the pretrain script, or a peer taking its flags); raises

@@ -37,8 +37,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from higgs_megatron.benchmarks import (REPO, finished, higgs_flags, markdown_table, run_pretrain,  # noqa: E402
-                                       summarize, validation_curve)
+from higgs_megatron.benchmarks import (REPO, finished, higgs_flags, lean_flags, markdown_table,  # noqa: E402
+                                       run_pretrain, summarize, validation_curve)
 from higgs_megatron.compress.payload import PAYLOADS  # noqa: E402
 from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
 
@@ -57,22 +57,11 @@ def runs_list(value: str) -> list[str]:
     return runs
 
 
-def lean_flags(args: argparse.Namespace) -> list[str]:
-    """``--use-higgs`` with the ``lean`` schedule (see the module docstring)."""
-    warmup = args.train_iters // 10  # the pretrain script's learning-rate warm-up
-    dense = warmup if args.lean_dense_iters is None else args.lean_dense_iters
-    ramp = args.train_iters // 20 if args.lean_ramp_iters is None else args.lean_ramp_iters
-    flags = ["--use-higgs", "--higgs-compression-ratio", f"{args.lean_density:g}", "--higgs-sync", "sparse",
-             "--higgs-payload", args.lean_payload, "--higgs-dense-iters", str(dense),
-             "--higgs-density-warmup-iters", str(ramp)]
-    if dense:
-        flags.append(f"--higgs-dense-{args.lean_dense_wire}")
-        if args.lean_freeze_variance:
-            flags.append("--higgs-freeze-adam-variance")
-            refresh = 20 if args.lean_refresh_iters is None else args.lean_refresh_iters
-            if refresh:
-                flags += ["--higgs-variance-refresh-iters", str(min(dense, refresh))]
-    return flags
+def lean_schedule(args: argparse.Namespace) -> list[str]:
+    """``benchmarks.lean_flags`` with this script's ``--lean-*`` flags."""
+    refresh = {} if args.lean_refresh_iters is None else {"refresh_iters": args.lean_refresh_iters}
+    return lean_flags(args.train_iters, args.lean_density, args.lean_payload, args.lean_dense_wire,
+                      args.lean_dense_iters, args.lean_ramp_iters, args.lean_freeze_variance, **refresh)
 
 
 def also_log(value: str) -> tuple[Path, str]:
@@ -100,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lean-freeze-variance", action="store_true",
                         help="freeze Adam's second moment after the dense stage (--higgs-freeze-adam-variance)")
     parser.add_argument("--lean-refresh-iters", type=int, default=None, help="with --lean-freeze-variance: "
-                        "--higgs-variance-refresh-iters, default 20 (0: the second moment stays frozen)")
+                        "--higgs-variance-refresh-iters (default: benchmarks.lean_flags's; 0: the second moment stays frozen)")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--runs", default="dense,peer,ef,lean", type=runs_list,
                         help=f"comma-separated, from {', '.join(RUNS)} (dense is needed: the ratios are to it)")
@@ -125,7 +114,7 @@ def main() -> int:
               "--eval-interval", str(max(1, args.train_iters // 12)), "--eval-iters", "10",
               "--overlap-grad-reduce", "--ddp-bucket-size", "250000", *args.extra]
     higgs = higgs_flags(args.density, args.train_iters, args.dense_iters, args.density_warmup_iters)
-    lean = lean_flags(args)
+    lean = lean_schedule(args)
     peer = [flag for flag in common if flag != "--overlap-grad-reduce"]  # torch DDP always overlaps
     configurations = {
         "dense": ("megatron-ddp (dense, fp32)", common, "examples/pretrain_gpt.py"),

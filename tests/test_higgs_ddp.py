@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from higgs_megatron.benchmarks import summarize
+from higgs_megatron.benchmarks import higgs_flags, lean_flags, summarize
 from higgs_megatron.testing import run_ranks
 from tests.common_workers import train_variants, train_variants_on_the_compressed_form
 
@@ -217,11 +217,9 @@ def test_the_benchmarks_schedules_converge_near_dense_on_the_corpus(tiny_gpt_arg
     bytes over the run, counted at the collectives."""
     base = tiny_gpt_args + ["--train-iters", "300", "--global-batch-size", "8", "--eval-iters", "10",
                             "--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
-    staged = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-sync", "sparse", "--higgs-min-bucket-numel",
-              "0", "--higgs-dense-iters", "75", "--higgs-freeze-adam-variance", "--higgs-density-warmup-iters", "100"]
-    lean = ["--use-higgs", "--higgs-compression-ratio", "0.25", "--higgs-sync", "sparse", "--higgs-payload", "int4",
-            "--higgs-min-bucket-numel", "0", "--higgs-dense-iters", "30", "--higgs-density-warmup-iters", "15",
-            "--higgs-dense-int8"]
+    # The benchmark's own schedules at 300 iterations (1%: dense 75, frozen, ramp 100; lean: dense 30, ramp 15)
+    staged = higgs_flags(0.01, 300) + ["--higgs-min-bucket-numel", "0"]
+    lean = lean_flags(300) + ["--higgs-min-bucket-numel", "0"]
     logged = ["--log-interval", "10", "--log-json"]
     variants = {"dense": base + logged + [str(tmp_path / "dense.jsonl")],
                 "feedback": base + staged, "no feedback": base + staged + ["--no-higgs-error-feedback"],

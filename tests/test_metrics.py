@@ -171,11 +171,11 @@ def test_the_benchmarks_schedules_make_the_configs_they_describe():
     spec.loader.exec_module(bench)
     args = bench.build_parser().parse_args(["--train-iters", "2400"])
     parser = add_higgs_args(argparse.ArgumentParser())
-    lean = higgs_config_from_args(parser.parse_args(bench.lean_flags(args)))
+    lean = higgs_config_from_args(parser.parse_args(bench.lean_schedule(args)))
     assert (lean.dense_iters, lean.density_warmup_iters, lean.variance_refresh_iters) == (240, 120, 0)
     assert not lean.freeze_adam_variance and lean.dense_int8 and lean.payload == "int4"
     assert lean.compression_ratio == 0.25 and lean.sync == "sparse"
-    frozen = higgs_config_from_args(parser.parse_args(bench.lean_flags(
+    frozen = higgs_config_from_args(parser.parse_args(bench.lean_schedule(
         bench.build_parser().parse_args(["--train-iters", "2400", "--lean-freeze-variance"]))))
     assert frozen.freeze_adam_variance and (frozen.dense_iters, frozen.variance_refresh_iters) == (240, 20)
     ef = higgs_config_from_args(parser.parse_args(higgs_flags(args.density, args.train_iters, args.dense_iters,
