@@ -77,6 +77,7 @@ from .reduce.link_probe import measure_link_costs
 from .stability.regroup import peer_lost
 from .reduce.sparse_allreduce import (PendingHierarchical, PendingSparseReduce, launch_hierarchical,
                                       launch_sparse_allreduce, node_reduce_scatter, reduce_scatter)
+from .reduce.wire import Collectives, dense_wire_bytes
 from .sync_plan import NodeShape, choose_form, path_at, plan_bucket
 from .topology import NodeGroups, build_node_groups, instance_groups
 
@@ -85,6 +86,19 @@ def dense_bytes_per_step(model: DistributedDataParallel) -> int:
     """Bytes Megatron's dense reduction hands to collectives per step: every gradient bucket."""
     return sum(bucket.grad_data.numel() * bucket.grad_data.element_size()
                for group in model.bucket_groups + model.expert_parallel_bucket_groups for bucket in group.buckets)
+
+
+def dense_wire_per_step(model: DistributedDataParallel) -> float:
+    """Ring wire bytes per rank of Megatron's dense reduction per step (``reduce.wire``), every
+    bucket over its group at its size."""
+    total = 0.0
+    for group in model.bucket_groups + model.expert_parallel_bucket_groups:
+        distopt = group.ddp_config.use_distributed_optimizer
+        world = group.intra_distributed_optimizer_instance_size if distopt else group.data_parallel_group.size()
+        instances = group.ddp_config.num_distributed_optimizer_instances
+        total += sum(dense_wire_bytes(bucket.grad_data.numel() * bucket.grad_data.element_size(), world, distopt,
+                                      instances) for bucket in group.buckets)
+    return total
 
 
 def sync_traffic(model_chunks: list) -> "SyncStats":
@@ -96,8 +110,9 @@ def sync_traffic(model_chunks: list) -> "SyncStats":
         if isinstance(chunk, HiggsDDP):
             total.add(chunk.take_stats())
         else:
-            dense = dense_bytes_per_step(chunk)
-            total.add(SyncStats(bytes_sent=dense, dense_bytes=dense, dense_buckets=len(chunk.bucket_groups)))
+            dense, wire = dense_bytes_per_step(chunk), dense_wire_per_step(chunk)
+            total.add(SyncStats(bytes_sent=dense, dense_bytes=dense, wire_bytes=wire, dense_wire_bytes=wire,
+                                dense_buckets=len(chunk.bucket_groups)))
     return total
 
 
@@ -107,10 +122,15 @@ class HiggsConfigurationError(ValueError):
 
 @dataclass
 class SyncStats:
-    """Totals since the last ``HiggsDDP.take_stats()``."""
+    """Totals since the last ``HiggsDDP.take_stats()``. ``bytes_sent``/``dense_bytes``: bytes this
+    rank handed to collectives, and what Megatron's dense reduction hands them; ``wire_bytes``/
+    ``dense_wire_bytes``: what a ring puts on this rank's link for each (``reduce.wire``), the
+    figure that holds at scale."""
 
     bytes_sent: int = 0
     dense_bytes: int = 0
+    wire_bytes: float = 0.0
+    dense_wire_bytes: float = 0.0
     compress_seconds: float = 0.0
     sparse_buckets: int = 0
     dense_buckets: int = 0
@@ -119,6 +139,8 @@ class SyncStats:
     def add(self, other: "SyncStats") -> None:
         self.bytes_sent += other.bytes_sent
         self.dense_bytes += other.dense_bytes
+        self.wire_bytes += other.wire_bytes
+        self.dense_wire_bytes += other.dense_wire_bytes
         self.compress_seconds += other.compress_seconds
         self.sparse_buckets += other.sparse_buckets
         self.dense_buckets += other.dense_buckets
@@ -142,6 +164,7 @@ class _Shared:
     costs: LinkCosts | None = None  # with sync="auto"
     instances: int = 1  # Megatron's num_distributed_optimizer_instances
     average_over: int = 1  # the DP size, for average_in_collective on the summing paths
+    comm: Collectives = field(default_factory=Collectives)  # every collective of the sync, counted
 
     def wait(self, work) -> None:
         """Wait for one collective of this step's sync, as ``_GroupHandle`` says."""
@@ -340,6 +363,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 # a dense step as every coordinate in int8 (``--higgs-dense-int8``), through the sparse path
                 path, step_density, step_payload = "sparse", 1.0, DENSE_INT8
             stats.dense_bytes += grad.numel() * grad.element_size()
+            stats.dense_wire_bytes += self._dense_wire(grad)
             if path == "hierarchical":
                 if sums is not None:
                     sums.append(grad.sum(dtype=torch.float32))
@@ -370,7 +394,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                     shard = (self.intra_distributed_optimizer_instance_rank
                              if self.ddp_config.use_distributed_optimizer else None)
                     pending = shared.launch(lambda: launch_cast_reduce(
-                        grad, wire, group, shard, async_op, bounded=shared.sync_timeout is not None))
+                        shared.comm, grad, wire, group, shard, async_op, bounded=shared.sync_timeout is not None))
                     if pending is not None:
                         sparse.append(pending)
                     continue
@@ -391,7 +415,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 sums.append(grad.sum(dtype=torch.float32))
             layout = plan.layout(step_density)
             pending = shared.launch(lambda: launch_sparse_allreduce(
-                sparse_grad, step_payload or plan.payload, layout, grad, group, async_op=async_op))
+                shared.comm, sparse_grad, step_payload or plan.payload, layout, grad, group, async_op=async_op))
             if pending is not None:
                 sparse.append(pending)
         if sums is not None:
@@ -411,7 +435,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes
         (after a given-up reduce-scatter too: see ``_GroupHandle``)."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
-        work, piece = node_reduce_scatter(grad, nodes.intra, self.higgs.wait,
+        work, piece = node_reduce_scatter(self.higgs.comm, grad, nodes.intra, self.higgs.wait,
                                           bounded=self.higgs.sync_timeout is not None)
         with self.higgs.compress_timer.measure(grad.device):
             sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
@@ -420,8 +444,14 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         node_bytes = (1 if nodes.instances else 2) * (work.numel() - piece.numel()) * work.element_size()
         stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
         stats.sparse_buckets += 1
-        return launch_hierarchical(sparse_grad, plan.payload, plan.layout(density), work, piece, grad, nodes.intra,
+        return launch_hierarchical(self.higgs.comm, sparse_grad, plan.payload, plan.layout(density), work, piece, grad, nodes.intra,
                                    nodes.inter, async_op, gather=not nodes.instances)
+
+    def _dense_wire(self, grad: torch.Tensor) -> float:
+        """What Megatron's own reduction of ``grad``'s bucket puts on this rank's link."""
+        distopt = self.ddp_config.use_distributed_optimizer
+        world = (self.intra_distributed_optimizer_instance_size if distopt else self.data_parallel_group.size())
+        return dense_wire_bytes(grad.numel() * grad.element_size(), world, distopt, self.higgs.instances)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:
@@ -437,16 +467,17 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 self.cached_grad_buffer_shard_list[idx] = shard_buffer(
                     grad, self.intra_distributed_optimizer_instance_size)
             local = self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
-            work = reduce_scatter(local, grad, group, reduce_op, async_op, bounded=self.higgs.sync_timeout is not None)
+            work = reduce_scatter(self.higgs.comm, local, grad, group, reduce_op, async_op,
+                                  bounded=self.higgs.sync_timeout is not None)
         else:
             local = grad
-            work = dist.all_reduce(grad, op=reduce_op, group=group, async_op=async_op)
+            work = self.higgs.comm.all_reduce(grad, group, op=reduce_op, async_op=async_op)
         if self.higgs.instances == 1:
             return work
         if work is not None:
             self.higgs.wait(work)
-        return dist.all_reduce(local, op=reduce_op, group=self.inter_distributed_optimizer_instance_group,
-                               async_op=async_op)
+        return self.higgs.comm.all_reduce(local, self.inter_distributed_optimizer_instance_group, op=reduce_op,
+                                          async_op=async_op)
 
 
 class HiggsDDP(DistributedDataParallel):
@@ -513,6 +544,7 @@ class HiggsDDP(DistributedDataParallel):
         on a GPU a step's compression may be counted in the next call."""
         stats, self._higgs.stats = self._higgs.stats, SyncStats(density=self._higgs.stats.density)
         stats.compress_seconds = self._higgs.compress_timer.seconds()
+        stats.wire_bytes = self._higgs.comm.meter.take().wire
         return stats
 
     def trace_sync_order(self, enabled: bool = True) -> list[tuple[str, int]] | None:

@@ -90,9 +90,9 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
         records.append((key, accumulated, sparse, plan, density))
         return sparse
 
-    def recording_gather(payload, *a, **k):  # what each compression hands the all-gather, in bytes
+    def recording_gather(comm, payload, *a, **k):  # what each compression hands the all-gather, in bytes
         handed.append(payload.numel() * payload.element_size())
-        return original_gather(payload, *a, **k)
+        return original_gather(comm, payload, *a, **k)
 
     with training_environment(args):
         trainer = Trainer(args)

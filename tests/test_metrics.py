@@ -9,6 +9,7 @@ import types
 
 from higgs_megatron.benchmarks import finished
 from higgs_megatron.callbacks import Callback, WandbCallback
+from higgs_megatron.ddp import SyncStats
 from higgs_megatron.training.metrics import LogWindow, MetricsLogger
 
 
@@ -20,7 +21,7 @@ def test_window_leaves_validation_and_save_time_out_of_step_time(monkeypatch):
     window = LogWindow()
     for _ in range(4):
         clock[0] += 0.01
-        window.add(10, 20, 0.0, 0.5)
+        window.add(SyncStats(bytes_sent=10, dense_bytes=20, density=0.5))
     paused = clock[0]
     clock[0] += 0.2  # an evaluation inside the window
     window.excluded += clock[0] - paused

@@ -47,10 +47,10 @@ def auto_sync_choices(variants: dict[str, list[str]]) -> dict:
             measure = trainer._traffic
 
             def counting_traffic():
-                sent, dense, seconds, density = measure()
-                totals[0] += sent
-                totals[1] += dense
-                return sent, dense, seconds, density
+                stats = measure()
+                totals[0] += stats.bytes_sent
+                totals[1] += stats.dense_bytes
+                return stats
 
             trainer._traffic = counting_traffic
             trainer.train()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .sparse_allreduce import reduce_scatter
+from .wire import Collectives
 
 
 @dataclass
@@ -44,16 +45,16 @@ class PendingCastReduce:
         self.target.copy_(self.wire)
 
 
-def launch_cast_reduce(grad: torch.Tensor, wire: torch.Tensor, group: dist.ProcessGroup, shard: int | None,
+def launch_cast_reduce(comm: Collectives, grad: torch.Tensor, wire: torch.Tensor, group: dist.ProcessGroup, shard: int | None,
                        async_op: bool = True, bounded: bool = False) -> PendingCastReduce:
     """Reduce ``wire`` (``grad`` rounded to bf16) over ``group`` with a sum: all of it, or with
     ``shard`` (this rank's index in ``group``) a reduce-scatter into that shard (the bucket's
     size is a multiple of the group's, as Megatron pads it for the distributed optimizer);
     ``bounded`` as in ``reduce_scatter``."""
     if shard is None:
-        work = dist.all_reduce(wire, group=group, async_op=async_op)
+        work = comm.all_reduce(wire, group, async_op=async_op)
         return PendingCastReduce(work if async_op else None, wire, grad)
     size = wire.numel() // dist.get_world_size(group)
     local = wire.narrow(0, shard * size, size)
-    work = reduce_scatter(local, wire, group, async_op=async_op, bounded=bounded)
+    work = reduce_scatter(comm, local, wire, group, async_op=async_op, bounded=bounded)
     return PendingCastReduce(work if async_op else None, local, grad.narrow(0, shard * size, size))

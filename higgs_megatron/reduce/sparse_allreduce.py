@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..compress.payload import Payload, SlotLayout, SparseGrad
+from .wire import Collectives
 
 
 def _plain_wait(work) -> None:
@@ -82,17 +83,18 @@ class PendingSparseReduce:
             self.target.index_add_(0, positions, values)
 
 
-def gather_payloads(payload: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
+def gather_payloads(comm: Collectives, payload: torch.Tensor, group: dist.ProcessGroup, async_op: bool):
     """(the gathered buffer, the work): every peer's payload, end to end in rank order."""
     gathered = torch.empty(dist.get_world_size(group) * payload.numel(), dtype=torch.uint8, device=payload.device)
-    return gathered, dist.all_gather_into_tensor(gathered, payload, group=group, async_op=async_op)
+    return gathered, comm.all_gather(gathered, payload, group, async_op=async_op)
 
 
-def launch_sparse_allreduce(sparse: SparseGrad, payload: Payload, layout: SlotLayout, target: torch.Tensor,
-                            group: dist.ProcessGroup, async_op: bool = True) -> PendingSparseReduce:
+def launch_sparse_allreduce(comm: Collectives, sparse: SparseGrad, payload: Payload, layout: SlotLayout,
+                            target: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+                            ) -> PendingSparseReduce:
     """Start the gather of ``sparse`` (compressed at ``layout``); the caller later calls
     ``finish()`` on what this returns."""
-    gathered, work = gather_payloads(payload.pack(sparse, layout), group, async_op)
+    gathered, work = gather_payloads(comm, payload.pack(sparse, layout), group, async_op)
     return PendingSparseReduce(work=work if async_op else None, gathered=gathered, world=dist.get_world_size(group),
                                payload=payload, layout=layout, target=target)
 
@@ -103,7 +105,7 @@ def slice_range(numel: int, ranks_per_node: int, local_index: int) -> tuple[int,
     return local_index * size, (local_index + 1) * size
 
 
-def reduce_scatter(shard: torch.Tensor, buffer: torch.Tensor, group: dist.ProcessGroup,
+def reduce_scatter(comm: Collectives, shard: torch.Tensor, buffer: torch.Tensor, group: dist.ProcessGroup,
                    op=dist.ReduceOp.SUM, async_op: bool = True, bounded: bool = False):
     """``shard``, this rank's slice of ``buffer`` (a view into it), gets that slice reduced over
     ``group``; returns the work (None when not ``async_op``). ``bounded``: the caller waits
@@ -113,11 +115,11 @@ def reduce_scatter(shard: torch.Tensor, buffer: torch.Tensor, group: dist.Proces
     too, which nobody reads (a distributed optimizer reads its own shard; the hierarchical
     path overwrites the other slices)."""
     if bounded and dist.get_backend(group) == "gloo":
-        return dist.all_reduce(buffer, op=op, group=group, async_op=async_op)
-    return dist.reduce_scatter_tensor(shard, buffer, op=op, group=group, async_op=async_op)
+        return comm.all_reduce(buffer, group, op=op, async_op=async_op)
+    return comm.reduce_scatter(shard, buffer, group, op=op, async_op=async_op)
 
 
-def node_reduce_scatter(grad: torch.Tensor, intra: dist.ProcessGroup,
+def node_reduce_scatter(comm: Collectives, grad: torch.Tensor, intra: dist.ProcessGroup,
                         waiter=None, bounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(the padded work buffer, this rank's slice of it holding the node's sum); ``waiter(work)``
     replaces ``work.wait()``, as in ``PendingSparseReduce.wait``; ``bounded`` as in
@@ -127,16 +129,16 @@ def node_reduce_scatter(grad: torch.Tensor, intra: dist.ProcessGroup,
     work = grad if size * ranks == grad.numel() else torch.cat(
         [grad, torch.zeros(size * ranks - grad.numel(), dtype=grad.dtype, device=grad.device)])
     piece = work.view(ranks, size).select(0, dist.get_rank(intra))
-    (waiter or _plain_wait)(reduce_scatter(piece, work, intra, bounded=bounded))
+    (waiter or _plain_wait)(reduce_scatter(comm, piece, work, intra, bounded=bounded))
     return work, piece
 
 
 class PendingHierarchical:
     """The cross-node gather in flight; ``finish`` completes step 4 of the hierarchical protocol into ``target``."""
 
-    def __init__(self, sparse: PendingSparseReduce, work: torch.Tensor, piece: torch.Tensor,
+    def __init__(self, comm: Collectives, sparse: PendingSparseReduce, work: torch.Tensor, piece: torch.Tensor,
                  target: torch.Tensor, intra: dist.ProcessGroup, gather: bool = True) -> None:
-        self.sparse, self.work, self.piece, self.target, self.intra = sparse, work, piece, target, intra
+        self.comm, self.sparse, self.work, self.piece, self.target, self.intra = comm, sparse, work, piece, target, intra
         self.gather = gather  # False: only this rank's slice of ``target`` is wanted (the distributed optimizer's shard)
 
     def wait(self, waiter=None) -> None:
@@ -146,13 +148,12 @@ class PendingHierarchical:
         """As ``PendingSparseReduce.give_up``, but the node's all-gather still goes out: every
         rank of the node issues it (what it carries is not used)."""
         if self.gather:
-            waiter(dist.all_gather_into_tensor(self.work, self.piece, group=self.intra, async_op=True))
+            waiter(self.comm.all_gather(self.work, self.piece, self.intra, async_op=True))
 
     def finish(self, waiter=None) -> None:
         self.sparse.finish(waiter)  # the slice now holds the sum over all nodes
         if self.gather:
-            (waiter or _plain_wait)(dist.all_gather_into_tensor(self.work, self.piece, group=self.intra,
-                                                                async_op=True))
+            (waiter or _plain_wait)(self.comm.all_gather(self.work, self.piece, self.intra, async_op=True))
         if self.work.data_ptr() == self.target.data_ptr():
             return
         if self.gather:
@@ -164,8 +165,8 @@ class PendingHierarchical:
                 self.target.narrow(0, start, end - start).copy_(self.piece.narrow(0, 0, end - start))
 
 
-def launch_hierarchical(sparse: SparseGrad, payload: Payload, layout: SlotLayout, work: torch.Tensor,
-                        piece: torch.Tensor, target: torch.Tensor, intra: dist.ProcessGroup,
+def launch_hierarchical(comm: Collectives, sparse: SparseGrad, payload: Payload, layout: SlotLayout,
+                        work: torch.Tensor, piece: torch.Tensor, target: torch.Tensor, intra: dist.ProcessGroup,
                         inter: dist.ProcessGroup, async_op: bool = True, gather: bool = True) -> PendingHierarchical:
-    pending = launch_sparse_allreduce(sparse, payload, layout, piece, inter, async_op=async_op)
-    return PendingHierarchical(pending, work, piece, target, intra, gather)
+    pending = launch_sparse_allreduce(comm, sparse, payload, layout, piece, inter, async_op=async_op)
+    return PendingHierarchical(comm, pending, work, piece, target, intra, gather)

@@ -37,7 +37,7 @@ from ..checkpoint.save import SaveResult, save_checkpoint
 from ..checkpoint.state import TrainingState
 from ..checkpoint.vocab import vocab_record
 from ..optimizer import torch_optimizers
-from ..ddp import HiggsDDP, sync_traffic
+from ..ddp import HiggsDDP, SyncStats, sync_traffic
 from ..device import collective_device, model_device, to_device
 from ..logs import get_logger, setup_logging
 from ..memory import MemoryManager, make_probe
@@ -364,10 +364,9 @@ class Trainer:
             return self.args.global_batch_size * self.args.seq_length
         return self.length_buckets.tokens(consumed_samples // self.args.global_batch_size)
 
-    def _traffic(self) -> tuple[int, int, float, float]:
-        """This step's (bytes handed to collectives, dense-equivalent bytes, compress s, density)."""
-        stats = sync_traffic(self.model)
-        return stats.bytes_sent, stats.dense_bytes, stats.compress_seconds, stats.density
+    def _traffic(self) -> SyncStats:
+        """This step's gradient traffic: bytes handed, ring wire bytes, dense's of both, compression."""
+        return sync_traffic(self.model)
 
     def _check_replicas(self) -> None:
         """Megatron's own check: every DP replica holds bitwise-identical parameters."""
@@ -392,7 +391,7 @@ class Trainer:
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
             skipped += 0 if ok else 1
-            window.add(*self._traffic(), tokens=tokens)
+            window.add(self._traffic(), tokens=tokens)
             result.step_times[self.iteration] = step_time
             result.tokens_per_second[self.iteration] = tokens / step_time
             if loss is not None:
@@ -402,7 +401,7 @@ class Trainer:
                 self._check_replicas()
             if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                 elapsed = window.seconds_per_iteration()
-                sent, dense, compress_seconds = window.per_rank_per_step()
+                sent, dense, compress_seconds, wire, dense_wire = window.per_rank_per_step()
                 fields = {
                     "consumed samples": self.consumed_samples,
                     "elapsed time per iteration (ms)": elapsed * 1000.0,
@@ -416,6 +415,8 @@ class Trainer:
                 fields["tokens per second"] = window.tokens / max(1, window.iterations) / elapsed
                 fields["bytes sent"] = int(sent)
                 fields["dense bytes"] = int(dense)
+                fields["wire bytes"] = int(wire)
+                fields["dense wire bytes"] = int(dense_wire)
                 if args.use_higgs:
                     fields["density"] = window.density
                     fields["compression time (ms)"] = compress_seconds * 1000.0

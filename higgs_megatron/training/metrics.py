@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..callbacks import Callback
+from ..ddp import SyncStats
 from ..device import collective_device
 from ..logs import get_logger, setup_logging
 
@@ -107,15 +108,19 @@ class LogWindow:
         self.started = time.perf_counter()
         self.excluded = 0.0  # validation and checkpoint time inside the window
         self.iterations = 0
-        self.totals = [0.0, 0.0, 0.0]  # on the host: a device tensor is made only at log lines
+        # bytes sent, dense bytes, compression s, wire bytes, dense wire bytes: on the host (a
+        # device tensor is made only at log lines)
+        self.totals = [0.0] * 5
         self.density = 1.0
         self.tokens = 0
 
-    def add(self, sent: int, dense: int, compress_seconds: float, density: float, tokens: int = 0) -> None:
+    def add(self, stats: SyncStats, tokens: int = 0) -> None:
         self.iterations += 1
         self.tokens += tokens
-        self.totals = [total + value for total, value in zip(self.totals, (sent, dense, compress_seconds))]
-        self.density = density
+        values = (stats.bytes_sent, stats.dense_bytes, stats.compress_seconds, stats.wire_bytes,
+                  stats.dense_wire_bytes)
+        self.totals = [total + value for total, value in zip(self.totals, values)]
+        self.density = stats.density
 
     def seconds_per_iteration(self) -> float:
         return (time.perf_counter() - self.started - self.excluded) / max(1, self.iterations)

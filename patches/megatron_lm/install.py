@@ -203,13 +203,15 @@ def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *a
     # One small host-to-device copy and one all-reduce per step, every rank: the mean over the
     # ranks (each pipeline stage counts its own chunks) of what Megatron-LM logs.
     totals = torch.tensor([stats.bytes_sent * 1e-6, stats.dense_bytes * 1e-6, stats.density,
-                           stats.compress_seconds * 1e3], dtype=torch.float64, device=collective_device())
+                           stats.compress_seconds * 1e3, stats.wire_bytes * 1e-6, stats.dense_wire_bytes * 1e-6],
+                          dtype=torch.float64, device=collective_device())
     dist.all_reduce(totals)
     totals = (totals / dist.get_world_size()).float()
     loss_dict = result[0]
     if loss_dict:  # the last pipeline stage logs; Megatron-LM reads these at its log interval
         totals = totals.to(next(iter(loss_dict.values())).device)
-        for index, key in enumerate(("higgs MB sent", "higgs MB dense", "higgs density", "higgs compress ms")):
+        for index, key in enumerate(("higgs MB sent", "higgs MB dense", "higgs density", "higgs compress ms",
+                                     "higgs MB wire", "higgs MB dense wire")):
             loss_dict[key] = totals[index]
     return result
 

@@ -1,0 +1,116 @@
+"""Wire bytes: what each collective of the gradient sync puts on one rank's link, counted at the call.
+
+A byte figure that means something at scale is not what a rank hands a collective but what
+the collective's algorithm makes it send. On a ring of P ranks (NCCL's bandwidth-bound
+algorithm; gloo's too, for all but its reduce-scatter), for a buffer of B bytes handed in:
+
+* all-reduce:      2(P-1)/P x B (a reduce-scatter then an all-gather of the sums);
+* reduce-scatter:  (P-1)/P x B, B the whole input (Megatron's distributed optimizer);
+* all-gather:      (P-1) x B, B one rank's input: it grows with P;
+* all-to-all:      (P-1)/P x B, B the whole input (each rank keeps its own 1/P).
+
+``Collectives`` issues the sync's collectives through ``torch.distributed`` and counts each one
+as it is called, in the process group's size: the count is of the code path that ran, not
+of a formula applied to a plan. On torch's fake process group (backend ``fake``: no data
+moves) the same code counts what one rank of a group of any size would send.
+
+``GLOO`` gives what gloo's own algorithms move where they are not a ring: its reduce-scatter
+is an all-reduce (measured from the bytes its sockets were handed). Tests compare the count
+against gloo with it; the figures this layer logs are the ring's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+def ring_factor(kind: str, world: int) -> float:
+    """Bytes one rank sends per byte it hands a ``kind`` collective over ``world`` ranks."""
+    if world <= 1:
+        return 0.0
+    return {"all_reduce": 2 * (world - 1) / world, "reduce_scatter": (world - 1) / world,
+            "all_gather": float(world - 1), "all_to_all": (world - 1) / world}[kind]
+
+
+def gloo_factor(kind: str, world: int) -> float:
+    """As ``ring_factor``, for what gloo moves: its reduce-scatter runs as an all-reduce."""
+    return ring_factor("all_reduce" if kind == "reduce_scatter" else kind, world)
+
+
+def wire_bytes(kind: str, handed: int, world: int) -> float:
+    """Ring wire bytes per rank for one collective handed ``handed`` bytes (see the module docstring)."""
+    return ring_factor(kind, world) * handed
+
+
+@dataclass
+class WireMeter:
+    """Bytes handed to collectives and ring wire bytes per rank since the last ``take``; per
+    (kind, group size) as well, for tests and reports."""
+
+    handed: int = 0
+    wire: float = 0.0
+    by_kind: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, world) -> bytes handed
+
+    def count(self, kind: str, handed: int, world: int) -> None:
+        self.handed += handed
+        self.wire += wire_bytes(kind, handed, world)
+        self.by_kind[(kind, world)] = self.by_kind.get((kind, world), 0) + handed
+
+    def take(self) -> "WireMeter":
+        """What was counted so far; the meter starts again from zero."""
+        taken = WireMeter(self.handed, self.wire, self.by_kind)
+        self.handed, self.wire, self.by_kind = 0, 0.0, {}
+        return taken
+
+    def wire_as(self, factor: Callable[[str, int], float]) -> float:
+        """The wire bytes under another algorithm's ``factor(kind, world)`` (e.g. ``gloo_factor``)."""
+        return sum(factor(kind, world) * handed for (kind, world), handed in self.by_kind.items())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Collectives:
+    """The gradient sync's collectives, each counted by ``meter`` as it is issued. Same
+    arguments and return values as ``torch.distributed``'s (a work with ``async_op``)."""
+
+    def __init__(self, meter: WireMeter | None = None) -> None:
+        self.meter = meter or WireMeter()
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM,
+                   async_op: bool = False):
+        self.meter.count("all_reduce", _nbytes(tensor), dist.get_world_size(group))
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                       op=dist.ReduceOp.SUM, async_op: bool = False):
+        self.meter.count("reduce_scatter", _nbytes(input), dist.get_world_size(group))
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                   async_op: bool = False):
+        self.meter.count("all_gather", _nbytes(input), dist.get_world_size(group))
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                   async_op: bool = False):
+        """Equal splits: the i-th of ``world`` equal parts of ``input`` goes to rank i."""
+        self.meter.count("all_to_all", _nbytes(input), dist.get_world_size(group))
+        return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+def dense_wire_bytes(bucket_bytes: int, world: int, distributed_optimizer: bool, instances: int = 1) -> float:
+    """What Megatron's own dense reduction of one bucket puts on one rank's link: an all-reduce
+    over the DP group, or a reduce-scatter with the distributed optimizer; with several
+    optimizer instances (``world`` ranks in each), the shard's all-reduce across them too."""
+    if not distributed_optimizer:
+        return wire_bytes("all_reduce", bucket_bytes, world)
+    inside = wire_bytes("reduce_scatter", bucket_bytes, world)
+    return inside + (wire_bytes("all_reduce", bucket_bytes // world, instances) if instances > 1 else 0.0)

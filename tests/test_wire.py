@@ -1,0 +1,60 @@
+"""Wire bytes: the meter's count of the gradient sync's collectives against what gloo moved."""
+
+import sys
+
+import pytest
+
+from higgs_megatron.reduce.wire import WireMeter, dense_wire_bytes, gloo_factor, ring_factor, wire_bytes
+from higgs_megatron.testing import run_ranks
+from tests.wire_workers import sync_bytes_against_gloo
+
+
+def test_ring_factors():
+    assert ring_factor("all_reduce", 8) == 2 * 7 / 8
+    assert ring_factor("reduce_scatter", 8) == 7 / 8
+    assert ring_factor("all_gather", 8) == 7
+    assert ring_factor("all_to_all", 8) == 7 / 8
+    assert all(ring_factor(kind, 1) == 0 for kind in ("all_reduce", "all_gather"))
+    assert gloo_factor("reduce_scatter", 4) == ring_factor("all_reduce", 4)
+    # Megatron's dense reduction: all-reduce, or reduce-scatter with the distributed optimizer,
+    # plus the shard's all-reduce across optimizer instances.
+    assert dense_wire_bytes(800, 4, False) == wire_bytes("all_reduce", 800, 4) == 1200
+    assert dense_wire_bytes(800, 4, True) == 600
+    assert dense_wire_bytes(800, 4, True, instances=2) == 600 + 200
+
+
+def test_meter_takes_and_resets():
+    meter = WireMeter()
+    meter.count("all_gather", 100, 4)
+    meter.count("reduce_scatter", 400, 4)
+    taken = meter.take()
+    assert (taken.handed, taken.wire) == (500, 300 + 300)
+    assert taken.wire_as(gloo_factor) == 300 + 600
+    assert (meter.handed, meter.wire, meter.by_kind) == (0, 0.0, {})
+
+
+# The compressed steps of each form: the all-gather of payloads ('sparse'), with the
+# distributed optimizer's reduce-scatter on the dense steps. A step's count must match what
+# every rank's sockets were handed within gloo's message headers.
+FORMS = {
+    "sparse-int4": ["--higgs-sync", "sparse", "--higgs-payload", "int4", "--higgs-compression-ratio", "0.25"],
+    "sparse-distopt": ["--higgs-sync", "sparse", "--higgs-compression-ratio", "0.05", "--use-distributed-optimizer"],
+}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_meter_counts_what_gloo_moves(world_size, form, tiny_gpt_args):
+    if world_size == 8 and form != "sparse-int4":
+        pytest.skip("P=8 once: eight ranks on two cores")
+    argv = (tiny_gpt_args + ["--global-batch-size", str(4 * world_size), "--train-iters", "3",
+                             "--ddp-bucket-size", "20000", "--use-higgs", "--higgs-dense-iters", "1",
+                             "--higgs-min-bucket-numel", "0"] + FORMS[form])
+    for rank_out in run_ranks(sync_bytes_against_gloo, world_size, args=(argv,), timeout=400):
+        for step in rank_out["steps"]:
+            assert step["gloo"] > 0
+            assert step["gloo"] <= step["written"] <= step["gloo"] * 1.01 + 4096, (world_size, form, step)
+        dense_step, compressed_step = rank_out["steps"][0], rank_out["steps"][-1]
+        assert "all_gather" in compressed_step["kinds"] and compressed_step["density"] < 1
+        assert dense_step["density"] == 1
