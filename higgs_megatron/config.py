@@ -22,7 +22,7 @@ from .field_flags import flag_metadata as _flag
 from .given_flags import flags_given
 
 COMPRESSORS = ("topk", "sampled-topk", "none")
-SYNC_MODES = ("auto", "dense", "sparse", "hierarchical")
+SYNC_MODES = ("auto", "dense", "sparse", "agreed", "hierarchical")
 
 
 class ConfigError(ValueError):
@@ -118,12 +118,16 @@ class HiggsConfig:
     """Buckets smaller than this stay dense (Megatron's own collective)."""
 
     sync: str = field(default="auto", metadata=_flag(
-        "--higgs-sync", "auto: per bucket, the path a cost model of the measured links predicts fastest",
-        choices=SYNC_MODES))
-    """Per bucket: 'sparse' always compresses; 'dense' never; 'hierarchical' reduces densely
-    inside each node and compresses only across nodes (``reduce.hierarchical``); 'auto' takes
-    whichever of dense, sparse and hierarchical ``cost_model`` predicts fastest, from link
-    costs measured at start-up."""
+        "--higgs-sync", "auto: per bucket, the path a cost model of the measured links predicts fastest; sparse: "
+        "each rank's own top-k, all-gathered (bytes per rank grow with the DP size); agreed: every rank sends the "
+        "same blocks, chosen from block scores summed over the ranks, summed by an all-to-all (bytes per rank do "
+        "not grow with the DP size)", choices=SYNC_MODES))
+    """Per bucket: 'sparse' compresses, each rank its own top-k, all-gathered (``reduce.sparse_allreduce``:
+    the bytes on each rank's link grow with the DP size); 'agreed' compresses, every rank the same
+    blocks, summed by an all-to-all (``compress.agreed``: they do not); 'dense' never compresses;
+    'hierarchical' reduces densely inside each node and compresses only across nodes; 'auto' takes
+    whichever of these ``cost_model`` predicts fastest, from link costs measured at start-up. Under
+    every mode a step whose form would put no fewer bytes on the link than dense goes dense."""
 
     link_gbps: float | None = field(default=None, metadata=_flag(
         "--higgs-link-gbps", "with --higgs-sync auto: assume links of this many Gbit/s instead of measuring them",

@@ -66,12 +66,14 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
+from .compress.agreed import AgreedPlan, ScoreBuffer, pack_rows
 from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, compress_with_feedback
-from .compress.payload import DENSE_INT8
+from .compress.payload import DENSE_INT8, Payload, SparseGrad
 from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
 from .device import DeviceTimer
+from .reduce.agreed_reduce import PendingAgreed, launch_agreed
 from .reduce.cast_reduce import PendingCastReduce, launch_cast_reduce
 from .reduce.link_probe import measure_link_costs
 from .stability.regroup import peer_lost
@@ -265,7 +267,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_buckets = [
             plan_bucket(f"group{index}.bucket{idx}", bucket.grad_data.numel(), bucket.grad_data.dtype,
                         [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list], shared.config,
-                        shape, bucket.grad_data.device)
+                        shape, bucket.grad_data.device, world=self._communication_group.size(),
+                        distributed_optimizer=self.ddp_config.use_distributed_optimizer)
             for idx, bucket in enumerate(self.buckets)]
         self.higgs_residuals: list[ResidualBuffer | None] = []
 
@@ -275,6 +278,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             ResidualBuffer(paths.plan.numel, bucket.grad_data.dtype, bucket.grad_data.device)
             if paths.plan is not None and self.higgs.config.error_feedback else None
             for paths, bucket in zip(self.higgs_buckets, self.buckets)]
+        self.higgs_scores = [ScoreBuffer(paths.plan.n_blocks, bucket.grad_data.device)
+                             if isinstance(paths.plan, AgreedPlan) else None
+                             for paths, bucket in zip(self.higgs_buckets, self.buckets)]
 
     @property
     def higgs_plans(self) -> list[BucketPlan | None]:
@@ -360,10 +366,20 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             path = "dense" if dense else path_at(self.higgs_buckets[idx], density, shared.costs)
             step_density, step_payload = density, None
             if path == "dense" and self.higgs_buckets[idx].dense_in_int8 and not force_all_reduce:
-                # a dense step as every coordinate in int8 (``--higgs-dense-int8``), through the sparse path
-                path, step_density, step_payload = "sparse", 1.0, DENSE_INT8
+                # a dense step as every coordinate in int8 (``--higgs-dense-int8``), through the flat form
+                path, step_density, step_payload = self.higgs_buckets[idx].form, 1.0, DENSE_INT8
+            if path == "agreed" and force_all_reduce:  # every rank needs the whole sum: dense, Megatron's own
+                path = "dense"
             stats.dense_bytes += grad.numel() * grad.element_size()
             stats.dense_wire_bytes += self._dense_wire(grad)
+            if path == "agreed":
+                pending = shared.launch(lambda: self._launch_agreed(idx, grad, step_density, step_payload, stats,
+                                                                   async_op))
+                if sums is not None:
+                    sums.append(grad.sum(dtype=torch.float32))
+                if pending is not None:
+                    sparse.append(pending)
+                continue
             if path == "hierarchical":
                 if sums is not None:
                     sums.append(grad.sum(dtype=torch.float32))
@@ -452,6 +468,36 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         distopt = self.ddp_config.use_distributed_optimizer
         world = (self.intra_distributed_optimizer_instance_size if distopt else self.data_parallel_group.size())
         return dense_wire_bytes(grad.numel() * grad.element_size(), world, distopt, self.higgs.instances)
+
+    def _launch_agreed(self, idx: int, grad: torch.Tensor, density: float, payload: Payload | None,
+                       stats: SyncStats, async_op: bool) -> PendingAgreed:
+        """Error feedback, the agreed selection and this rank's rows (``compress.agreed``), then
+        the all-to-all and the scores' all-reduce (``reduce.agreed_reduce``)."""
+        plan, residual, scores = self.higgs_plans[idx], self.higgs_residuals[idx], self.higgs_scores[idx]
+        value_format = payload.name if payload is not None else plan.value_format
+        layout = plan.layout(density)
+        with self.higgs.compress_timer.measure(grad.device):
+            if residual is not None:
+                residual.accumulate(grad)
+            scores.commit()
+            positions, real = plan.select(scores.committed, density)
+            values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
+            rows, rounded = pack_rows(values, value_format, layout.span)
+            if residual is None:
+                expected = grad  # what the next step would send, its gradient standing in for the next
+            else:
+                empty = grad.new_empty(0)
+                residual.stage(grad, SparseGrad(empty, empty.long(), positions.view(-1), rounded.view(-1)))
+                expected = residual.staged + (grad if residual.committed_zero else grad - residual.committed)
+            local_scores = plan.scores(expected)
+        gather = not self.ddp_config.use_distributed_optimizer
+        stats.bytes_sent += rows.numel() + plan.score_bytes() + (rows.shape[1] if gather else 0)
+        if payload is DENSE_INT8:
+            stats.dense_buckets += 1
+        else:
+            stats.sparse_buckets += 1
+        return launch_agreed(self.higgs.comm, plan, density, value_format, positions, rows, local_scores, scores,
+                             residual, grad, self._communication_group, gather, async_op=async_op)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:
@@ -602,8 +648,8 @@ class HiggsDDP(DistributedDataParallel):
 
     def rollback_residuals(self) -> None:
         """Forget the residuals staged by the last sync (the step was skipped everywhere)."""
-        for residual in self._residual_buffers().values():
-            residual.rollback()
+        for buffer in (*self._residual_buffers().values(), *self._score_buffers().values()):
+            buffer.rollback()
         for group in self.bucket_groups:
             group.higgs_steps = max(0, group.higgs_steps - 1)
 
@@ -612,9 +658,15 @@ class HiggsDDP(DistributedDataParallel):
                 for g in self.bucket_groups for i, residual in enumerate(g.higgs_residuals)
                 if residual is not None}
 
+    def _score_buffers(self) -> dict[str, ScoreBuffer]:
+        return {f"group{g.higgs_index}.bucket{i}.scores": scores
+                for g in self.bucket_groups for i, scores in enumerate(g.higgs_scores) if scores is not None}
+
     def residual_state(self) -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residuals (what a resumed run must start from)."""
-        state = {name: residual.current.clone() for name, residual in self._residual_buffers().items()}
+        """This rank's error-feedback residuals and the agreed block scores in force (what a
+        resumed run must start from)."""
+        state = {name: buffer.current.clone()
+                 for name, buffer in {**self._residual_buffers(), **self._score_buffers()}.items()}
         state["steps"] = torch.tensor([g.higgs_steps for g in self.bucket_groups], dtype=torch.long)
         return state
 
@@ -628,5 +680,8 @@ class HiggsDDP(DistributedDataParallel):
                 raise ValueError(f"error-feedback residual {name}: saved {state[name].numel()} elements, "
                                  f"this model's bucket has {residual.committed.numel()}")
             residual.load(state[name].to(residual.committed.device))
+        for name, scores in self._score_buffers().items():
+            if name in state and state[name].numel() == scores.committed.numel():
+                scores.load(state[name].to(scores.committed.device))
         for group, steps in zip(self.bucket_groups, state["steps"].tolist()):
             group.higgs_steps = steps

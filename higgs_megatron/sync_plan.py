@@ -2,7 +2,8 @@
 
 For each gradient bucket, ``plan_bucket`` decides once, at construction:
 
-* its compressed **forms**: ``sparse`` (the flat all-gather reduction over the DP group) and,
+* its compressed **forms**: ``sparse`` (the flat all-gather reduction over the DP group),
+  ``agreed`` (every rank sends the same coordinates, summed by an all-to-all: ``compress.agreed``) and,
   where the DP group spans several nodes with several ranks each, ``hierarchical`` (dense
   inside the node, this rank's slice compressed across nodes); with several distributed-
   optimizer instances, ``hierarchical`` alone, its levels the instances; none for a bucket that always
@@ -12,8 +13,9 @@ For each gradient bucket, ``plan_bucket`` decides once, at construction:
 
 Under ``sync="auto"``, ``choose_form`` keeps the form the cost model predicts cheaper at the
 target density; then ``path_at`` gives the path of each step (``dense`` or the form), from the
-agreed link costs, cached per density. Under every mode a step whose payload would not be
-smaller than the dense gradient goes dense (the early steps of a density ramp). Every input is
+agreed link costs, cached per density. Under every mode a step whose form would put no fewer
+bytes on this rank's link than the dense step, at this group's size, goes dense (the early steps of
+a density ramp; the all-gather of a large group). Every input is
 the same on every DP peer, so every peer plans the same paths and issues the same collectives
 with the same sizes.
 """
@@ -24,11 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compress.agreed import AgreedPlan
 from .compress.compressor import BucketPlan, ParamSlot
 from .compress.payload import DENSE_INT8
 from .config import HiggsConfig
 from .cost_model import BucketShape, LinkCosts, cheapest, predict
 from .reduce.sparse_allreduce import slice_range
+from .reduce.wire import dense_wire_bytes, ring_factor
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,12 @@ class BucketPaths:
     name: str
     numel: int
     dtype: torch.dtype
-    candidates: dict[str, BucketPlan]
+    candidates: dict[str, BucketPlan | AgreedPlan]
     slice: tuple[int, int] | None  # this rank's [start, end) of the bucket, with a hierarchical form
     ranks_per_node: int = 1
+    world: int = 1  # the ranks of the group its collectives run over (Megatron's DP group, or one instance)
+    distributed_optimizer: bool = False  # its dense step is a reduce-scatter
+    nodes: int = 1  # with a hierarchical form: the nodes (or optimizer instances) the slice is compressed across
     dense_bf16: bool = False  # config.dense_bf16, for a bucket with a residual, one instance, wider than bf16
     dense_int8: bool = False  # config.dense_int8, for a bucket with a residual and one instance
     paths: dict[float, str] = field(default_factory=dict)  # density -> path
@@ -70,8 +77,32 @@ class BucketPaths:
     @property
     def dense_in_int8(self) -> bool:
         """Whether its dense steps send every coordinate in int8, through its flat form at density
-        1 (``dense_int8``); not with a hierarchical slice, as ``dense_in_bf16``."""
-        return self.dense_int8 and self.slice is None and "sparse" in self.candidates
+        1 (``dense_int8``); not with a hierarchical slice, as ``dense_in_bf16``; and only where
+        that puts fewer bytes on the link than the plain dense step (an all-gather at this size).
+        """
+        return (self.dense_int8 and self.slice is None and self.form in ("sparse", "agreed")
+                and self.form_wire(1.0, int8=True) < self.plain_dense_wire())
+
+    def plain_dense_wire(self) -> float:
+        """Ring wire bytes per rank of the bucket's plain dense step (Megatron's collective, in
+        bf16 where its dense steps go in bf16)."""
+        itemsize = 2 if self.dense_in_bf16 else self.dtype.itemsize
+        return dense_wire_bytes(self.numel * itemsize, self.world, self.distributed_optimizer)
+
+    def dense_wire(self) -> float:
+        """Ring wire bytes per rank of the bucket's dense step as it is sent."""
+        return self.form_wire(1.0, int8=True) if self.dense_in_int8 else self.plain_dense_wire()
+
+    def form_wire(self, density: float, int8: bool = False) -> float:
+        """Ring wire bytes per rank of the flat form at ``density`` (``int8``: as a dense int8 step)."""
+        plan, world = self.plan, self.world
+        if isinstance(plan, AgreedPlan):
+            value_format = "int8" if int8 else None
+            row = plan.row_bytes(density, self.dtype, value_format)
+            gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * row
+            return (ring_factor("all_to_all", world) * world * row + gather
+                    + ring_factor("all_reduce", world) * plan.score_bytes())
+        return ring_factor("all_gather", world) * plan.payload_bytes(density, self.dtype, DENSE_INT8 if int8 else None)
 
     @property
     def form(self) -> str | None:
@@ -89,7 +120,12 @@ class BucketPaths:
     def shape(self, density: float, forms: tuple[str, ...]) -> BucketShape:
         """What the cost model needs of this bucket at ``density``, for the given forms."""
         flat, piece = self.candidates.get("sparse"), self.candidates.get("hierarchical")
+        agreed = self.candidates.get("agreed") if "agreed" in forms else None
+        row = agreed.row_bytes(density, self.dtype) if agreed else 0
         return BucketShape(
+            agreed_rows_bytes=self.world * row if agreed else None,
+            agreed_gather_bytes=0 if self.distributed_optimizer else row,
+            agreed_score_bytes=agreed.score_bytes() if agreed else 0,
             bucket_bytes=self.bucket_bytes, numel=self.numel,
             flat_payload_bytes=flat.payload_bytes(density, self.dtype) if flat and "sparse" in forms else None,
             slice_numel=piece.numel if piece else 0,
@@ -99,11 +135,12 @@ class BucketPaths:
 
 
 def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot], config: HiggsConfig,
-                nodes: NodeShape | None, device: torch.device) -> BucketPaths:
-    """The forms and plans of one bucket (see the module docstring)."""
+                nodes: NodeShape | None, device: torch.device, world: int = 1,
+                distributed_optimizer: bool = False) -> BucketPaths:
+    """The forms and plans of one bucket over a group of ``world`` ranks (see the module docstring)."""
     compressible = (config.compressor != "none" and config.sync != "dense" and numel >= config.min_bucket_numel
                     and not (config.sync == "hierarchical" and (nodes is None or nodes.single_node)))
-    forms = {"auto": ("sparse", "hierarchical"), "sparse": ("sparse",),
+    forms = {"auto": ("sparse", "agreed", "hierarchical"), "sparse": ("sparse",), "agreed": ("agreed",),
              "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
     instances = nodes is not None and nodes.instances
     if instances and forms:  # compressed across the instances only, whatever the sync mode
@@ -111,6 +148,8 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
     candidates: dict[str, BucketPlan] = {}
     if "sparse" in forms:
         candidates["sparse"] = BucketPlan(numel, slots, config.min_param_numel, device, config.payload)
+    if "agreed" in forms:
+        candidates["agreed"] = AgreedPlan(numel, slots, config.min_param_numel, world, device, config.payload)
     hierarchy = nodes is not None and (config.sync == "hierarchical" or instances
                                        or (nodes.nodes > 1 and nodes.ranks_per_node > 1))
     piece = None
@@ -121,7 +160,8 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
                       if s.end > lo and s.start < hi], config.min_param_numel, device, config.payload)
         piece = (min(lo, numel), min(hi, numel))  # a tiny bucket's last slice may start past its end
     return BucketPaths(name=name, numel=numel, dtype=dtype, candidates=candidates, slice=piece,
-                       ranks_per_node=nodes.ranks_per_node if nodes is not None else 1,
+                       ranks_per_node=nodes.ranks_per_node if nodes is not None else 1, world=world,
+                       distributed_optimizer=distributed_optimizer, nodes=nodes.nodes if nodes is not None else 1,
                        dense_bf16=config.dense_bf16 and bool(candidates) and not instances and dtype.itemsize > 2,
                        dense_int8=config.dense_int8 and bool(candidates) and not instances)
 
@@ -142,14 +182,16 @@ def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:
 
 
 def smaller_than_dense(bucket: BucketPaths, density: float) -> bool:
-    """Whether the form's payload at ``density`` is smaller than what a dense sync hands the same
-    collective for the same coordinates (the bucket, or the slice of a hierarchical form), in
-    bf16 where its dense steps go in bf16, as the int8 payload at density 1 where they go in int8."""
-    plan = bucket.plan
-    if bucket.dense_in_int8:
-        return plan.payload_bytes(density, bucket.dtype) < plan.payload_bytes(1.0, bucket.dtype, DENSE_INT8)
-    itemsize = 2 if bucket.dense_in_bf16 else bucket.dtype.itemsize
-    return plan.payload_bytes(density, bucket.dtype) < plan.numel * itemsize
+    """Whether the form at ``density`` puts fewer bytes on this rank's link than the bucket's
+    dense step at this group's size (ring wire bytes, ``reduce.wire``): the flat forms against
+    the dense step as it is sent (in bf16 or int8 where so configured); a hierarchical form's
+    cross-node all-gather against a dense all-reduce of its slice across the nodes."""
+    if bucket.form == "hierarchical":
+        plan, nodes = bucket.plan, bucket.nodes
+        itemsize = 2 if bucket.dense_in_bf16 else bucket.dtype.itemsize
+        return (ring_factor("all_gather", nodes) * plan.payload_bytes(density, bucket.dtype)
+                < ring_factor("all_reduce", nodes) * plan.numel * itemsize)
+    return bucket.form_wire(density) < bucket.dense_wire()
 
 
 def path_at(bucket: BucketPaths, density: float, costs: LinkCosts | None) -> str:

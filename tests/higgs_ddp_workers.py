@@ -105,3 +105,62 @@ def resume_continuity(argv: list[str], split_at: int) -> dict:
         second.close()
     return {"straight": straight_losses, "resumed": {**first_losses, **second_losses},
             "params_equal": all(torch.equal(straight_params[n], resumed_params[n]) for n in straight_params)}
+
+
+def agreed_sync_invariants(argv: list[str]) -> dict:
+    """Train on the agreed form (``--higgs-sync agreed``, ``--clip-grad 0`` so the optimizer
+    leaves the summed gradient as the sync wrote it); after each step, per compressed bucket,
+    sum over the DP group what every rank accumulated and what it kept as residual: the
+    gradient applied (the same on every rank; with the distributed optimizer each rank's shard
+    of it) plus the residuals must be the accumulated
+    gradients, to float summation's rounding (the owners' rounding of their sums is in their
+    residuals). Returns the worst relative gap, and this rank's parameters and coordinates."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from higgs_megatron.compress.compressor import ResidualBuffer
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
+    from tests.common_workers import coordinates
+
+    args = parse_args(argv)
+    accumulated: dict[int, torch.Tensor] = {}
+    original = ResidualBuffer.accumulate
+
+    def recording(self, grad):
+        original(self, grad)
+        accumulated[id(self)] = grad.clone()
+
+    gaps, agreed_steps = [], 0
+    with training_environment(args):
+        trainer = Trainer(args)
+        ddp = trainer.model[0]
+        dp_group = ps.get_data_parallel_group()
+        ResidualBuffer.accumulate = recording
+        try:
+            for _ in range(args.train_iters):
+                accumulated.clear()
+                trainer.train_step()
+                trainer.iteration += 1
+                trainer.consumed_samples += args.global_batch_size
+                agreed_steps += ddp.take_stats().sparse_buckets > 0
+                for group in ddp.bucket_groups:
+                    for bucket, residual in zip(group.buckets, group.higgs_residuals):
+                        if residual is None or id(residual) not in accumulated:
+                            continue
+                        acc, left = accumulated[id(residual)].double(), residual.current.double()
+                        dist.all_reduce(acc, group=dp_group)
+                        dist.all_reduce(left, group=dp_group)
+                        applied = bucket.grad_data.double()
+                        if args.use_distributed_optimizer:  # each rank holds its shard's sums: put them together
+                            size, rank = applied.numel() // dp_group.size(), dist.get_rank(dp_group)
+                            mine = applied.narrow(0, rank * size, size).clone()
+                            applied.zero_().narrow(0, rank * size, size).copy_(mine)
+                            dist.all_reduce(applied, group=dp_group)
+                        gaps.append(float((applied + left - acc).abs().max() / acc.abs().max()))
+        finally:
+            ResidualBuffer.accumulate = original
+        out = {"gaps": gaps, "agreed_steps": agreed_steps, "coords": coordinates(), "params": parameters(trainer)}
+        trainer.close()
+    return out

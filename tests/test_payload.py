@@ -167,18 +167,18 @@ def test_a_payload_not_smaller_than_dense_goes_dense_under_every_sync_mode():
     slots = [ParamSlot(0, 40_000)]
     for sync in ("sparse", "auto"):
         config = HiggsConfig(sync=sync, min_bucket_numel=0, link_gbps=1.0 if sync == "auto" else None)
-        wide = plan_bucket("b", 40_000, torch.float32, slots, config, None, CPU)
+        wide = plan_bucket("b", 40_000, torch.float32, slots, config, None, CPU, world=2)
         assert path_at(wide, 0.51, None) == "dense" and path_at(wide, 0.49, None) == "sparse"
         bf16 = plan_bucket("b", 40_000, torch.float32, slots, HiggsConfig(
-            sync=sync, min_bucket_numel=0, payload="bf16", link_gbps=1.0 if sync == "auto" else None), None, CPU)
+            sync=sync, min_bucket_numel=0, payload="bf16", link_gbps=1.0 if sync == "auto" else None), None, CPU, world=2)
         assert path_at(bf16, 0.99, None) == "sparse"
         bf16_dense = plan_bucket("b", 40_000, torch.float32, slots, HiggsConfig(
             sync=sync, min_bucket_numel=0, payload="bf16", dense_bf16=True,
-            link_gbps=1.0 if sync == "auto" else None), None, CPU)
+            link_gbps=1.0 if sync == "auto" else None), None, CPU, world=2)
         assert path_at(bf16_dense, 0.94, None) == "dense" and path_at(bf16_dense, 0.93, None) == "sparse"
     # int8 never passes a bf16 dense step: at density 1 it sends every coordinate, one byte each.
     int8 = plan_bucket("b", 40_000, torch.float32, slots, HiggsConfig(sync="sparse", min_bucket_numel=0, payload="int8",
-                                                                      dense_bf16=True), None, CPU)
+                                                                      dense_bf16=True), None, CPU, world=2)
     assert path_at(int8, 1.0, None) == "sparse" and int8.plan.layout(1.0).encoding == "implicit"
     assert path_at(int8, 0.99, None) == "sparse" and int8.plan.layout(0.99).encoding == "bitmap"
 

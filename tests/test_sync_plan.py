@@ -16,7 +16,9 @@ TWO_NODES = NodeShape(nodes=2, ranks_per_node=4, local_index=3)
 
 
 def _plan(nodes=None, **config):
-    return plan_bucket("group0.bucket0", NUMEL, torch.float32, SLOTS, HiggsConfig(**config), nodes, CPU)
+    """The bucket's paths over the DP group ``nodes`` spans (two ranks without ``nodes``)."""
+    world = 2 if nodes is None else nodes.nodes * nodes.ranks_per_node
+    return plan_bucket("group0.bucket0", NUMEL, torch.float32, SLOTS, HiggsConfig(**config), nodes, CPU, world=world)
 
 
 @pytest.mark.parametrize("config", [dict(compressor="none"), dict(sync="dense"), dict(min_bucket_numel=NUMEL + 1),
@@ -42,8 +44,8 @@ def test_hierarchical_plans_this_ranks_slice_of_the_node_reduced_bucket():
 
 
 def test_auto_plans_both_forms_only_across_nodes_with_several_ranks_each():
-    assert set(_plan(ONE_NODE).candidates) == {"sparse"}
-    assert set(_plan(TWO_NODES).candidates) == {"sparse", "hierarchical"}
+    assert set(_plan(ONE_NODE).candidates) == {"sparse", "agreed"}
+    assert set(_plan(TWO_NODES).candidates) == {"sparse", "agreed", "hierarchical"}
 
 
 def test_choose_form_keeps_the_cheaper_form_and_paths_follow_the_link():
@@ -52,20 +54,42 @@ def test_choose_form_keeps_the_cheaper_form_and_paths_follow_the_link():
     paths = _plan(TWO_NODES)
     entry = choose_form(paths, slow, 0.01)
     assert set(paths.candidates) == {"hierarchical"} and paths.slice is not None  # slow across, fast inside
-    assert entry["path"] == "hierarchical" and set(entry["predicted_ms"]) == {"dense", "sparse", "hierarchical"}
+    assert entry["path"] == "hierarchical"
+    assert set(entry["predicted_ms"]) == {"dense", "sparse", "agreed", "hierarchical"}
     assert path_at(paths, 0.01, slow) == "hierarchical"
 
     fast = LinkCosts.assumed(400.0, 8, 8, False, compress_seconds_per_element=1e-8)
     flat = _plan(ONE_NODE)
     entry = choose_form(flat, fast, 0.01)
-    assert flat.form == "sparse" and entry["path"] == "dense"  # the form is kept, the path is dense
+    # At 4 ranks the agreed rows (about 12 KB on the wire) beat 3 all-gathered payloads (25 KB);
+    # the form is kept, the path is dense.
+    assert flat.form == "agreed" and entry["path"] == "dense"
     assert path_at(flat, 0.01, fast) == "dense" and path_at(flat, 1.0, fast) == "dense"
     assert flat.paths == {0.01: "dense", 1.0: "dense"}  # decided once per density
 
 
-def test_a_payload_larger_than_the_bucket_never_takes_the_sparse_path_under_auto():
-    costs = LinkCosts.assumed(1.0, 2, 2, False, compress_seconds_per_element=0.0)
-    paths = _plan(NodeShape(1, 2, 0))
-    choose_form(paths, costs, 0.01)
-    assert path_at(paths, 0.01, costs) == "sparse"
-    assert path_at(paths, 0.9, costs) == "dense"  # int32 position + value per coordinate: larger than dense
+def test_a_form_that_would_send_more_than_dense_goes_dense_at_every_group_size():
+    """Never more than dense, counted as ring wire bytes at the group's size: int32 positions
+    plus fp32 values pass dense at 1/2 with two ranks; an all-gather's bytes grow with the
+    ranks: (P-1) x d x 8 bytes against 2(P-1)/P x 4, equal at d = 1/P; the agreed rows, without positions, stay under dense at 1/2 whatever
+    the group's size, and at density 1 (every coordinate, plus the scores) do not."""
+    def plan(world, sync):
+        return plan_bucket("b", NUMEL, torch.float32, SLOTS, HiggsConfig(sync=sync, min_bucket_numel=0,
+                                                                          min_param_numel=0), None, CPU, world=world)
+
+    assert path_at(plan(2, "sparse"), 0.49, None) == "sparse" and path_at(plan(2, "sparse"), 0.51, None) == "dense"
+    assert path_at(plan(8, "sparse"), 1 / 16, None) == "sparse"
+    assert path_at(plan(16, "sparse"), 1 / 16, None) == "dense"
+    for world in (2, 8, 64):  # a shard of several blocks (at 1,024 ranks this bucket's is under one)
+        agreed = plan(world, "agreed")
+        assert path_at(agreed, 0.5, None) == "agreed" and path_at(agreed, 1.0, None) == "dense"
+        assert agreed.form_wire(0.5) < agreed.dense_wire() <= agreed.form_wire(1.0)
+
+
+def test_auto_prices_each_form_at_the_group_size():
+    costs = LinkCosts.assumed(1.0, 64, 64, False, compress_seconds_per_element=0.0)
+    paths = plan_bucket("b", NUMEL, torch.float32, SLOTS, HiggsConfig(link_gbps=1.0, min_bucket_numel=0),
+                        NodeShape(1, 64, 0), CPU, world=64)
+    entry = choose_form(paths, costs, 0.05)
+    assert paths.form == "agreed" and entry["path"] == "agreed"  # an all-gather of 63 payloads loses
+    assert entry["predicted_ms"]["sparse"] > entry["predicted_ms"]["dense"] > entry["predicted_ms"]["agreed"]

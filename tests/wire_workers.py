@@ -45,7 +45,7 @@ def sync_bytes_against_gloo(argv: list[str]) -> dict:
                 trainer.consumed_samples += args.global_batch_size
                 counted = meter.take()
                 steps.append({"written": written[0], "wire": counted.wire, "gloo": counted.wire_as(gloo_factor),
-                              "kinds": sorted({kind for kind, _ in counted.by_kind}),
+                              "kinds": sorted({kind for kind, _ in counted.by_kind}), "calls": counted.calls,
                               "density": trainer.model[0]._higgs.config.density(trainer.iteration - 1)})
         finally:
             HiggsBucketGroup.finish_grad_sync = original

@@ -180,6 +180,14 @@ class ResidualBuffer:
         self.staged_zero = False
         self.has_staged = True
 
+    def add_staged(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``values`` at ``positions`` to the residual just staged (an owner's rounding of the
+        sums it hands back, ``reduce.agreed_reduce``)."""
+        if self.staged_zero:
+            self.staged.zero_()
+            self.staged_zero = False
+        self.staged.index_add_(0, positions, values)
+
     def stage_all_sent(self) -> None:
         """The whole of ``acc`` went out (a dense step): nothing remains."""
         self.staged_zero = True

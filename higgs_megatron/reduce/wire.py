@@ -56,16 +56,18 @@ class WireMeter:
     handed: int = 0
     wire: float = 0.0
     by_kind: dict[tuple[str, int], int] = field(default_factory=dict)  # (kind, world) -> bytes handed
+    calls: int = 0
 
     def count(self, kind: str, handed: int, world: int) -> None:
+        self.calls += 1
         self.handed += handed
         self.wire += wire_bytes(kind, handed, world)
         self.by_kind[(kind, world)] = self.by_kind.get((kind, world), 0) + handed
 
     def take(self) -> "WireMeter":
         """What was counted so far; the meter starts again from zero."""
-        taken = WireMeter(self.handed, self.wire, self.by_kind)
-        self.handed, self.wire, self.by_kind = 0, 0.0, {}
+        taken = WireMeter(self.handed, self.wire, self.by_kind, self.calls)
+        self.handed, self.wire, self.by_kind, self.calls = 0, 0.0, {}, 0
         return taken
 
     def wire_as(self, factor: Callable[[str, int], float]) -> float:

@@ -1,0 +1,265 @@
+"""Agreed masks: every data-parallel rank sends the same coordinates, so values sum on the way.
+
+The all-gather of per-rank top-k puts (P-1) payloads on each rank's link: it grows with the
+number of ranks P, and past a few ranks it sends more than a dense all-reduce. When every
+rank sends the *same* coordinates, their values can be summed by a reduce-scatter-shaped
+exchange instead, whose bytes per rank do not grow with P. The coordinates come from block
+scores that every rank agrees on (SCAPE; ARC-Top-K), taken one step late so that their small
+all-reduce overlaps instead of waiting in the backward hook.
+
+The plan (``AgreedPlan``), fixed for a bucket and a group of P ranks:
+
+* the bucket is cut into P shards of ``ceil(numel / P)`` coordinates: shard j is owned by
+  rank j, as the distributed optimizer's shards are (so with it the owner's sums are its
+  optimizer's gradient shard);
+* every parameter of at least ``min_param_numel`` coordinates is cut at the shard bounds into
+  *pieces*, and each piece into blocks of ``block`` coordinates. Selecting per piece keeps
+  every layer moving (layer-wise top-k, as in DGC) and keeps TP-replicated parameters
+  identical across TP ranks (their scores are the same on every TP rank of a DP replica);
+  a piece sends ``ceil(density x blocks)`` of its blocks every step, a fixed number;
+* smaller parameters go whole, every step, to the owner of their coordinates.
+
+Per step, on every rank alike (``select``): the agreed scores of the last step rank each
+piece's blocks; the chosen blocks and the always-sent coordinates make, per owner, a row
+of ``width`` slots (the widest owner's count; the others pad with slots that carry 0). Row j
+holds what rank j sums. A piece sent whole takes its own length; otherwise each chosen block
+takes ``block`` slots, and those past the piece's end in its last block are padding too (their
+position is the piece's last coordinate, and they carry 0). A shard should hold many blocks:
+where it holds one or two, ``ceil(density x blocks)`` sends it whole, and the rule that no step
+sends more than dense sends the bucket dense.
+
+Values go on the wire in the format of ``--higgs-payload`` (``wide``: the gradient's dtype;
+``bf16``; ``int8``/``int4`` with an fp32 scale per ``SPAN`` slots of a row), with no positions:
+the positions are known to every rank. ``pack_rows`` rounds the values as the receiver will
+decode them, so the rounding stays in the error-feedback residual.
+
+Scores (``scores``): per block, the sum of squares of what this rank expects to send next
+step, ``residual + gradient`` (the gradient stands in for the next one), summed over the ranks
+by an all-reduce in bf16 (half a byte per coordinate of a block of 128 against an fp32
+all-reduce's four: 1/256 of dense's bytes). ``ScoreBuffer`` keeps the agreed scores with the
+residual's commit and rollback, so a dropped step leaves them as they were.
+
+Shapes depend only on the plan and the density; nothing reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .compressor import ParamSlot
+
+BLOCK = 128  # coordinates per block: what one agreed score stands for
+SPAN = 256  # int8/int4: slots of a row per fp32 scale
+VALUE_FORMATS = ("wide", "bf16", "int8", "int4")
+_LEVELS = {"int8": 127, "int4": 7}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A parameter's coordinates inside one shard, and its blocks in the plan's block order."""
+
+    start: int
+    end: int
+    owner: int
+    first_block: int
+    n_blocks: int
+
+
+@dataclass
+class AgreedLayout:
+    """The rows at one density: blocks per piece, slots per owner, the common row width."""
+
+    k_blocks: list[int]  # per piece
+    width: int  # slots per row (the widest owner's)
+    span: int  # int8/int4: slots per scale
+
+    @property
+    def n_scales(self) -> int:
+        return -(-self.width // self.span)
+
+
+class AgreedPlan:
+    """The shards, pieces and blocks of one bucket for a group of ``world`` ranks (see above)."""
+
+    def __init__(self, numel: int, slots: list[ParamSlot], min_param_numel: int, world: int, device: torch.device,
+                 value_format: str = "wide", block: int = BLOCK) -> None:
+        if value_format not in VALUE_FORMATS:
+            raise ValueError(f"unknown value format {value_format!r}; expected one of {', '.join(VALUE_FORMATS)}")
+        self.numel, self.world, self.block, self.device = numel, world, block, device
+        self.value_format = value_format
+        self.shard = -(-numel // world)
+        self.pieces: list[Piece] = []
+        block_starts: list[int] = []
+        for unit in sorted((s for s in slots if s.numel >= min_param_numel), key=lambda s: s.start):
+            start = unit.start
+            while start < unit.end:
+                owner = start // self.shard
+                end = min(unit.end, (owner + 1) * self.shard)
+                n_blocks = -(-(end - start) // block)
+                self.pieces.append(Piece(start, end, owner, len(block_starts), n_blocks))
+                block_starts += range(start, end, block)
+                start = end
+        # Segments that tile [0, numel): every block, and the runs between pieces (scored, then dropped).
+        lengths, block_segments, at = [], [], 0
+        for piece in self.pieces:
+            if piece.start > at:
+                lengths.append(piece.start - at)
+            for first in range(piece.start, piece.end, block):
+                block_segments.append(len(lengths))
+                lengths.append(min(block, piece.end - first))
+            at = piece.end
+        if numel > at:
+            lengths.append(numel - at)
+        self.n_blocks = len(block_starts)
+        self._lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
+        self._block_segments = torch.tensor(block_segments, dtype=torch.int64, device=device)
+        self._block_starts = torch.tensor(block_starts, dtype=torch.int64, device=device)
+        self._piece_last = [torch.full((1,), piece.end - 1, dtype=torch.int64, device=device)
+                            for piece in self.pieces]
+        always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
+        owners: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+        for start, end in always:  # cut at the shard bounds too
+            while start < end:
+                owner = start // self.shard
+                cut = min(end, (owner + 1) * self.shard)
+                owners[owner].append((start, cut))
+                start = cut
+        self.always = [torch.cat([torch.arange(s, e, dtype=torch.int64, device=device) for s, e in runs])
+                       if runs else torch.empty(0, dtype=torch.int64, device=device) for runs in owners]
+        self._offsets = torch.arange(block, dtype=torch.int64, device=device)
+        self._layouts: dict[float, AgreedLayout] = {}
+
+    def layout(self, density: float) -> AgreedLayout:
+        if density not in self._layouts:
+            k_blocks = [min(piece.n_blocks, math.ceil(density * piece.n_blocks)) for piece in self.pieces]
+            per_owner = [always.numel() for always in self.always]
+            for piece, k in zip(self.pieces, k_blocks):  # a piece sent whole takes its own length
+                per_owner[piece.owner] += piece.end - piece.start if k == piece.n_blocks else k * self.block
+            width = max(1, max(per_owner))
+            width += width % 2  # int4: two codes a byte, whole bytes per row
+            self._layouts[density] = AgreedLayout(k_blocks, width, min(SPAN, width))
+        return self._layouts[density]
+
+    def row_bytes(self, density: float, dtype: torch.dtype, value_format: str | None = None) -> int:
+        """Bytes of one row on the wire (padded to 4), in the plan's value format or ``value_format``."""
+        layout, value_format = self.layout(density), value_format or self.value_format
+        size = {"wide": dtype.itemsize * layout.width, "bf16": 2 * layout.width, "int8": layout.width,
+                "int4": layout.width // 2}[value_format]
+        if value_format in _LEVELS:
+            size += 4 * layout.n_scales
+        return -(-size // 4) * 4
+
+    def score_bytes(self) -> int:
+        """Bytes of the scores' all-reduce (bf16, one per block)."""
+        return 2 * self.n_blocks
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [n_blocks]: each block's sum of squares of ``x``."""
+        squares = x.float().square()
+        return torch.segment_reduce(squares, "sum", lengths=self._lengths).index_select(0, self._block_segments)
+
+    def select(self, scores: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int64 [world, width] positions, bool [world, width] real slots) from the agreed
+        ``scores``: the same on every rank that holds the same scores."""
+        layout, block = self.layout(density), self.block
+        rows: list[list[torch.Tensor]] = [[always] for always in self.always]
+        real: list[list[torch.Tensor]] = [[torch.ones_like(always, dtype=torch.bool)] for always in self.always]
+        for piece, k, last in zip(self.pieces, layout.k_blocks, self._piece_last):
+            if k == piece.n_blocks:  # every block: the piece's coordinates in order
+                whole = torch.arange(piece.start, piece.end, dtype=torch.int64, device=self.device)
+                rows[piece.owner].append(whole)
+                real[piece.owner].append(torch.ones_like(whole, dtype=torch.bool))
+                continue
+            chosen = torch.topk(scores.narrow(0, piece.first_block, piece.n_blocks), k,
+                                sorted=False).indices + piece.first_block
+            positions = (self._block_starts.index_select(0, chosen).unsqueeze(1) + self._offsets).view(-1)
+            rows[piece.owner].append(torch.minimum(positions, last))
+            real[piece.owner].append(positions <= last)
+        for owner in range(self.world):
+            used = sum(t.numel() for t in rows[owner])
+            home = min(owner * self.shard, self.numel - 1)  # padding points into the owner's own shard
+            rows[owner].append(torch.full((layout.width - used,), home, dtype=torch.int64, device=self.device))
+            real[owner].append(torch.zeros(layout.width - used, dtype=torch.bool, device=self.device))
+        return (torch.stack([torch.cat(row) for row in rows]), torch.stack([torch.cat(row) for row in real]))
+
+
+def pack_rows(values: torch.Tensor, value_format: str, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 [rows, row bytes] for the wire, the values as the receiver decodes them) from
+    ``values`` [rows, width]: fp32 scales per ``span`` slots then codes for int8/int4."""
+    rows, width = values.shape
+    if value_format == "wide":
+        return _pad4(values.contiguous().view(torch.uint8).view(rows, -1)), values
+    if value_format == "bf16":
+        wire = values.to(torch.bfloat16)
+        return _pad4(wire.view(torch.uint8).view(rows, -1)), wire.to(values.dtype)
+    levels = _LEVELS[value_format]
+    n_scales = -(-width // span)
+    padded = torch.nn.functional.pad(values.float(), (0, n_scales * span - width))
+    amax = padded.abs().view(rows, n_scales, span).amax(2)
+    scales = torch.where(amax > 0, amax / levels, 1.0)
+    per_slot = scales.repeat_interleave(span, dim=1).narrow(1, 0, width)
+    codes = torch.round(values.float() / per_slot).clamp_(-levels, levels)
+    rounded = (codes * per_slot).to(values.dtype)
+    codes = codes.to(torch.int8)
+    body = codes.view(torch.uint8) if value_format == "int8" else _nibbles(codes)
+    return _pad4(torch.cat([scales.view(torch.uint8).view(rows, -1), body], dim=1)), rounded
+
+
+def unpack_rows(wire: torch.Tensor, value_format: str, width: int, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, width] values in ``dtype`` from ``pack_rows``' bytes."""
+    rows = wire.shape[0]
+    if value_format == "wide":
+        return wire.narrow(1, 0, width * dtype.itemsize).contiguous().view(dtype)
+    if value_format == "bf16":
+        return wire.narrow(1, 0, 2 * width).contiguous().view(torch.bfloat16).to(dtype)
+    n_scales = -(-width // span)
+    scales = wire.narrow(1, 0, 4 * n_scales).contiguous().view(torch.float32)
+    body = wire.narrow(1, 4 * n_scales, width if value_format == "int8" else width // 2)
+    codes = body.contiguous().view(torch.int8) if value_format == "int8" else _from_nibbles(body)
+    per_slot = scales.repeat_interleave(span, dim=1).narrow(1, 0, width)
+    return (codes.float() * per_slot).to(dtype).view(rows, width)
+
+
+def _pad4(rows: torch.Tensor) -> torch.Tensor:
+    extra = -rows.shape[1] % 4
+    return torch.nn.functional.pad(rows, (0, extra)) if extra else rows
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-7, 7], [rows, even width] -> uint8 [rows, width / 2], the first of a pair low."""
+    biased = (codes.to(torch.int16) + 8).to(torch.uint8)
+    pairs = biased.view(codes.shape[0], -1, 2)
+    return torch.bitwise_or(pairs.select(2, 0), torch.bitwise_left_shift(pairs.select(2, 1), 4))
+
+
+def _from_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    halves = torch.stack([torch.bitwise_and(packed, 15), torch.bitwise_right_shift(packed, 4)], 2)
+    return (halves.view(packed.shape[0], -1).to(torch.int16) - 8).to(torch.int8)
+
+
+class ScoreBuffer:
+    """The agreed block scores in force (``committed``) and those the step in flight is
+    gathering (``staged``), which take over when the next step begins, unless it is rolled back."""
+
+    def __init__(self, n_blocks: int, device: torch.device) -> None:
+        self.committed = torch.zeros(n_blocks, dtype=torch.float32, device=device)
+        self.staged: torch.Tensor | None = None
+
+    def commit(self) -> None:
+        if self.staged is not None:
+            self.committed, self.staged = self.staged, None
+
+    def rollback(self) -> None:
+        self.staged = None
+
+    @property
+    def current(self) -> torch.Tensor:
+        """What a resumed run must start from."""
+        return self.committed if self.staged is None else self.staged
+
+    def load(self, value: torch.Tensor) -> None:
+        self.committed = value.reshape(-1).to(torch.float32).clone()
+        self.staged = None

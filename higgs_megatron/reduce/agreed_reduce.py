@@ -1,0 +1,108 @@
+"""The agreed-mask reduction: an all-to-all reduce-scatter of rows, the owners' sums gathered back.
+
+Every rank of ``group`` holds the same positions (``compress.agreed``), so row j of every
+rank holds values for the same coordinates of shard j. Per bucket and step, every rank makes
+the same calls with the same sizes:
+
+1. ``launch_agreed``: an all-to-all sends row j to rank j, asynchronously; the bf16 all-reduce
+   of the block scores for the next step goes out beside it. Wire per rank: (P-1)/P of the
+   rows, and the scores', neither growing with P.
+2. ``finish`` (after ``wait``): the owner decodes the P rows it received and sums them in fp32
+   (the same sum on any rank: one rank computes it). With the distributed optimizer that sum
+   is the shard of the bucket the optimizer reads, written into it; nothing more goes out.
+   Without it, the owner rounds its sums to the wire format, keeps the rounding in its own
+   error-feedback residual (so what the rounding drops reaches a later step: two-level error
+   feedback, as DoubleSqueeze), and an all-gather brings every owner's rounded sums to every
+   rank, which writes them at their positions: the same bytes, so the same gradient, on every
+   rank. Wire: (P-1)/P of the rows again.
+
+Stream order (CUDA): the rows and the scores are computed on the current stream before the
+launch, NCCL's streams wait for it; ``finish`` runs after ``wait`` on the current stream, as
+the sparse path's does. On failure, as ``sparse_allreduce``: ``give_up`` still issues the
+all-gather every rank will issue, and reads nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..compress.agreed import AgreedPlan, ScoreBuffer, pack_rows, unpack_rows
+from ..compress.compressor import ResidualBuffer
+from .wire import Collectives
+
+
+def _plain_wait(work) -> None:
+    work.wait()
+
+
+@dataclass
+class PendingAgreed:
+    """The exchange in flight; ``finish`` writes the summed gradient into ``target``."""
+
+    comm: Collectives
+    group: dist.ProcessGroup
+    plan: AgreedPlan
+    density: float
+    value_format: str
+    positions: torch.Tensor  # int64 [world, width], the same on every rank
+    received: torch.Tensor  # uint8 [world, row bytes]: row p is peer p's values for this rank's shard
+    work: object
+    scores: torch.Tensor  # bf16 [n_blocks], being summed
+    score_work: object
+    score_buffer: ScoreBuffer
+    residual: ResidualBuffer | None
+    target: torch.Tensor
+    gather: bool  # False: only this rank's shard of ``target`` is wanted (the distributed optimizer's)
+
+    def wait(self, waiter=None) -> None:
+        """Wait for the exchange and the scores; ``waiter(work)`` replaces ``work.wait()``."""
+        for name in ("work", "score_work"):
+            work = getattr(self, name)
+            if work is not None:
+                (waiter or _plain_wait)(work)
+                setattr(self, name, None)
+
+    def give_up(self, waiter) -> None:
+        """The step's sync was given up: the all-gather every rank issues still goes out."""
+        if self.gather:
+            rows = self.received.narrow(0, 0, 1)
+            waiter(self.comm.all_gather(torch.empty_like(self.received), rows, self.group, async_op=True))
+
+    def finish(self, waiter=None) -> None:
+        self.wait(waiter)
+        layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
+        rank = dist.get_rank(self.group)
+        sums = unpack_rows(self.received, fmt, layout.width, layout.span, torch.float32).sum(0, keepdim=True)
+        self.score_buffer.staged = self.scores.float()
+        mine = self.positions.select(0, rank)
+        if not self.gather:
+            lo = min(rank * self.plan.shard, self.target.numel())
+            hi = min(lo + self.plan.shard, self.target.numel())
+            self.target.narrow(0, lo, hi - lo).zero_()
+            self.target.index_add_(0, mine, sums.view(-1).to(dtype))
+            return
+        wire, rounded = pack_rows(sums, fmt, layout.span)
+        if self.residual is not None and fmt != "wide":
+            self.residual.add_staged(mine, sums.view(-1).to(dtype) - rounded.view(-1).to(dtype))
+        gathered = torch.empty_like(self.received)
+        (waiter or _plain_wait)(self.comm.all_gather(gathered, wire, self.group, async_op=True))
+        values = unpack_rows(gathered, fmt, layout.width, layout.span, dtype)
+        self.target.zero_()
+        self.target.index_add_(0, self.positions.view(-1), values.view(-1))
+
+
+def launch_agreed(comm: Collectives, plan: AgreedPlan, density: float, value_format: str, positions: torch.Tensor,
+                  rows: torch.Tensor,
+                  scores: torch.Tensor, score_buffer: ScoreBuffer, residual: ResidualBuffer | None,
+                  target: torch.Tensor, group: dist.ProcessGroup, gather: bool, async_op: bool = True) -> PendingAgreed:
+    """Start step 1 for ``rows`` (``pack_rows``' bytes, row j for rank j) and this rank's block
+    ``scores`` (fp32); the caller later calls ``finish()`` on what this returns."""
+    received = torch.empty_like(rows)
+    work = comm.all_to_all(received, rows, group, async_op=async_op)
+    wire_scores = scores.to(torch.bfloat16)
+    score_work = comm.all_reduce(wire_scores, group, async_op=async_op)
+    return PendingAgreed(comm, group, plan, density, value_format, positions, received, work if async_op else None, wire_scores,
+                         score_work if async_op else None, score_buffer, residual, target, gather)
