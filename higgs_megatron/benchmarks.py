@@ -8,6 +8,7 @@ reproducible from the files it names.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -114,6 +115,12 @@ def summarize(log_json: Path) -> dict:
         "bytes over the run": sum(r["bytes_sent"] for r in iterations) * iterations[-1]["iteration"] / len(iterations),
         "traffic over the run vs dense": _ratio(sum(r["bytes_sent"] for r in iterations),
                                                 sum(r["dense_bytes"] for r in iterations)),
+        # Wire bytes per rank at this run's DP size (``reduce.wire``); NaN for a log written before they were logged.
+        "wire bytes per step at the end": iterations[-1].get("wire_bytes", math.nan),
+        "wire bytes over the run": (sum(r.get("wire_bytes", math.nan) for r in iterations)
+                                    * iterations[-1]["iteration"] / len(iterations)),
+        "wire over the run vs dense": _ratio(sum(r.get("wire_bytes", math.nan) for r in iterations),
+                                             sum(r.get("dense_wire_bytes", math.nan) for r in iterations)),
     }
 
 

@@ -90,17 +90,19 @@ def dense_bytes_per_step(model: DistributedDataParallel) -> int:
                for group in model.bucket_groups + model.expert_parallel_bucket_groups for bucket in group.buckets)
 
 
+def megatron_dense_wire(group: _ParamAndGradBucketGroup, grad: torch.Tensor) -> float:
+    """Ring wire bytes per rank of Megatron's own reduction of ``grad``, a bucket of ``group``
+    (``reduce.wire.dense_wire_bytes`` over the group Megatron reduces it over)."""
+    distopt = group.ddp_config.use_distributed_optimizer
+    world = group.intra_distributed_optimizer_instance_size if distopt else group.data_parallel_group.size()
+    return dense_wire_bytes(grad.numel() * grad.element_size(), world, distopt,
+                            group.ddp_config.num_distributed_optimizer_instances)
+
+
 def dense_wire_per_step(model: DistributedDataParallel) -> float:
-    """Ring wire bytes per rank of Megatron's dense reduction per step (``reduce.wire``), every
-    bucket over its group at its size."""
-    total = 0.0
-    for group in model.bucket_groups + model.expert_parallel_bucket_groups:
-        distopt = group.ddp_config.use_distributed_optimizer
-        world = group.intra_distributed_optimizer_instance_size if distopt else group.data_parallel_group.size()
-        instances = group.ddp_config.num_distributed_optimizer_instances
-        total += sum(dense_wire_bytes(bucket.grad_data.numel() * bucket.grad_data.element_size(), world, distopt,
-                                      instances) for bucket in group.buckets)
-    return total
+    """Ring wire bytes per rank of Megatron's dense reduction per step: every bucket."""
+    return sum(megatron_dense_wire(group, bucket.grad_data)
+               for group in model.bucket_groups + model.expert_parallel_bucket_groups for bucket in group.buckets)
 
 
 def sync_traffic(model_chunks: list) -> "SyncStats":
@@ -368,10 +370,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             if path == "dense" and self.higgs_buckets[idx].dense_in_int8 and not force_all_reduce:
                 # a dense step as every coordinate in int8 (``--higgs-dense-int8``), through the flat form
                 path, step_density, step_payload = self.higgs_buckets[idx].form, 1.0, DENSE_INT8
-            if path == "agreed" and force_all_reduce:  # every rank needs the whole sum: dense, Megatron's own
-                path = "dense"
             stats.dense_bytes += grad.numel() * grad.element_size()
-            stats.dense_wire_bytes += self._dense_wire(grad)
+            stats.dense_wire_bytes += megatron_dense_wire(self, grad)
             if path == "agreed":
                 pending = shared.launch(lambda: self._launch_agreed(idx, grad, step_density, step_payload, stats,
                                                                    async_op))
@@ -463,12 +463,6 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         return launch_hierarchical(self.higgs.comm, sparse_grad, plan.payload, plan.layout(density), work, piece, grad, nodes.intra,
                                    nodes.inter, async_op, gather=not nodes.instances)
 
-    def _dense_wire(self, grad: torch.Tensor) -> float:
-        """What Megatron's own reduction of ``grad``'s bucket puts on this rank's link."""
-        distopt = self.ddp_config.use_distributed_optimizer
-        world = (self.intra_distributed_optimizer_instance_size if distopt else self.data_parallel_group.size())
-        return dense_wire_bytes(grad.numel() * grad.element_size(), world, distopt, self.higgs.instances)
-
     def _launch_agreed(self, idx: int, grad: torch.Tensor, density: float, payload: Payload | None,
                        stats: SyncStats, async_op: bool) -> PendingAgreed:
         """Error feedback, the agreed selection and this rank's rows (``compress.agreed``), then
@@ -483,12 +477,15 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             positions, real = plan.select(scores.committed, density)
             values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
             rows, rounded = pack_rows(values, value_format, layout.span)
+            # What the next step would send: what is left, plus this step's gradient standing in for the next.
             if residual is None:
-                expected = grad  # what the next step would send, its gradient standing in for the next
+                expected = grad
             else:
                 empty = grad.new_empty(0)
                 residual.stage(grad, SparseGrad(empty, empty.long(), positions.view(-1), rounded.view(-1)))
-                expected = residual.staged + (grad if residual.committed_zero else grad - residual.committed)
+                expected = grad.add(residual.staged)
+                if not residual.committed_zero:
+                    expected.sub_(residual.committed)
             local_scores = plan.scores(expected)
         gather = not self.ddp_config.use_distributed_optimizer
         stats.bytes_sent += rows.numel() + plan.score_bytes() + (rows.shape[1] if gather else 0)

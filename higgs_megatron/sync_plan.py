@@ -85,8 +85,11 @@ class BucketPaths:
 
     def plain_dense_wire(self) -> float:
         """Ring wire bytes per rank of the bucket's plain dense step (Megatron's collective, in
-        bf16 where its dense steps go in bf16)."""
+        bf16 where its dense steps go in bf16); with a hierarchical form, across the nodes: the
+        slice's all-reduce between them (the fast links inside a node are not what it saves)."""
         itemsize = 2 if self.dense_in_bf16 else self.dtype.itemsize
+        if self.form == "hierarchical":
+            return ring_factor("all_reduce", self.nodes) * self.plan.numel * itemsize
         return dense_wire_bytes(self.numel * itemsize, self.world, self.distributed_optimizer)
 
     def dense_wire(self) -> float:
@@ -94,8 +97,11 @@ class BucketPaths:
         return self.form_wire(1.0, int8=True) if self.dense_in_int8 else self.plain_dense_wire()
 
     def form_wire(self, density: float, int8: bool = False) -> float:
-        """Ring wire bytes per rank of the flat form at ``density`` (``int8``: as a dense int8 step)."""
+        """Ring wire bytes per rank of the form at ``density`` (``int8``: as a dense int8 step);
+        a hierarchical form's across the nodes, as ``plain_dense_wire``."""
         plan, world = self.plan, self.world
+        if self.form == "hierarchical":
+            return ring_factor("all_gather", self.nodes) * plan.payload_bytes(density, self.dtype)
         if isinstance(plan, AgreedPlan):
             value_format = "int8" if int8 else None
             row = plan.row_bytes(density, self.dtype, value_format)
@@ -183,14 +189,7 @@ def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:
 
 def smaller_than_dense(bucket: BucketPaths, density: float) -> bool:
     """Whether the form at ``density`` puts fewer bytes on this rank's link than the bucket's
-    dense step at this group's size (ring wire bytes, ``reduce.wire``): the flat forms against
-    the dense step as it is sent (in bf16 or int8 where so configured); a hierarchical form's
-    cross-node all-gather against a dense all-reduce of its slice across the nodes."""
-    if bucket.form == "hierarchical":
-        plan, nodes = bucket.plan, bucket.nodes
-        itemsize = 2 if bucket.dense_in_bf16 else bucket.dtype.itemsize
-        return (ring_factor("all_gather", nodes) * plan.payload_bytes(density, bucket.dtype)
-                < ring_factor("all_reduce", nodes) * plan.numel * itemsize)
+    dense step as it is sent, at this group's size (ring wire bytes, ``reduce.wire``)."""
     return bucket.form_wire(density) < bucket.dense_wire()
 
 

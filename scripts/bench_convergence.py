@@ -20,7 +20,7 @@ the whole run and per step at the end, and tokens/s. The runs (``--runs``, in th
 * ``no-ef``: ``ef`` without error feedback.
 
 Writes ``convergence.md`` and ``convergence.png`` (the validation-loss curves, and each run's
-loss ratio against its bytes over the run) into ``--out``. ``--also LOG=NAME`` adds the JSONL
+loss ratio against its wire bytes per rank over the run, at this run's DP size) into ``--out``. ``--also LOG=NAME`` adds the JSONL
 log of another run (an experiment) to the table and the plot.
 
 The default is the long run, 9,600 iterations (about 40 minutes per run on a 2-core CPU);
@@ -142,9 +142,9 @@ def main() -> int:
     dense = next(iter(rows.values()))
     for row in rows.values():
         row["loss vs dense"] = row["final validation loss"] / dense["final validation loss"]
-        row["bytes over the run vs dense"] = row["bytes over the run"] / dense["bytes over the run"]
-    table = markdown_table(rows, ["iterations", "final validation loss", "loss vs dense", "bytes over the run",
-                                  "bytes over the run vs dense", "bytes sent per step at the end", "tokens/s"],
+        row["wire bytes over the run vs dense"] = row["wire bytes over the run"] / dense["wire bytes over the run"]
+    table = markdown_table(rows, ["iterations", "final validation loss", "loss vs dense", "wire bytes over the run",
+                                  "wire bytes over the run vs dense", "wire bytes per step at the end", "tokens/s"],
                            baseline=configurations["dense"][0])
     table = f"ef: `{' '.join(higgs)}`\n\nlean: `{' '.join(lean)}`\n\n{table}"
     (out / "convergence.md").write_text(table + "\n")
@@ -166,12 +166,12 @@ def main() -> int:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     for name, row in rows.items():
-        trade.scatter(row["bytes over the run vs dense"], row["loss vs dense"])
-        trade.annotate(name, (row["bytes over the run vs dense"], row["loss vs dense"]), fontsize=6)
+        trade.scatter(row["wire bytes over the run vs dense"], row["loss vs dense"])
+        trade.annotate(name, (row["wire bytes over the run vs dense"], row["loss vs dense"]), fontsize=6)
     trade.axvline(0.1, color="grey", linestyle="--", linewidth=0.8)
     trade.axhline(1.02, color="grey", linestyle="--", linewidth=0.8)
     trade.set_xscale("log")
-    trade.set_xlabel("bytes over the run vs dense (log)")
+    trade.set_xlabel("wire bytes per rank over the run vs dense (log)")
     trade.set_ylabel("final validation loss vs dense")
     trade.set_title("loss against bytes over the run")
     trade.grid(alpha=0.3)

@@ -39,7 +39,7 @@ def main() -> int:
         rows[name] = summarize(log)
     print()
     print(markdown_table(rows, ["iterations", "final validation loss", "tokens/s", "step time (ms)",
-                                "bytes sent per step at the end", "traffic over the run vs dense"],
+                                "wire bytes per step at the end", "wire over the run vs dense"],
                          baseline="megatron-ddp (dense)"))
     return 0
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from higgs_megatron.reduce.wire import wire_bytes  # noqa: E402
 from higgs_megatron.training.arguments import parse_args  # noqa: E402
 from higgs_megatron.training.corpus import build_corpus  # noqa: E402
 from higgs_megatron.training.data import build_datasets, iteration_batches  # noqa: E402
@@ -111,7 +112,9 @@ def main() -> int:
                     "consumed samples": consumed, "elapsed time per iteration (ms)": elapsed * 1e3,
                     "learning rate": optimizer.param_groups[0]["lr"], "global batch size": args.global_batch_size,
                     "lm loss": (total[0] / total[1]).item(), "tokens per second": tokens_per_step / elapsed,
-                    "bytes sent": sent_bytes, "dense bytes": grad_bytes * 4})
+                    "bytes sent": sent_bytes, "dense bytes": grad_bytes * 4,
+                    "wire bytes": wire_bytes("all_reduce", sent_bytes, dp_size),
+                    "dense wire bytes": wire_bytes("all_reduce", grad_bytes * 4, dp_size)})
                 window_start, window_steps, excluded = time.perf_counter(), 0, 0.0
             if args.eval_iters > 0 and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
                 paused = time.perf_counter()

@@ -117,8 +117,6 @@ class AgreedPlan:
         self._lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
         self._block_segments = torch.tensor(block_segments, dtype=torch.int64, device=device)
         self._block_starts = torch.tensor(block_starts, dtype=torch.int64, device=device)
-        self._piece_last = [torch.full((1,), piece.end - 1, dtype=torch.int64, device=device)
-                            for piece in self.pieces]
         always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
         owners: list[list[tuple[int, int]]] = [[] for _ in range(world)]
         for start, end in always:  # cut at the shard bounds too
@@ -131,6 +129,7 @@ class AgreedPlan:
                        if runs else torch.empty(0, dtype=torch.int64, device=device) for runs in owners]
         self._offsets = torch.arange(block, dtype=torch.int64, device=device)
         self._layouts: dict[float, AgreedLayout] = {}
+        self._fixed_rows: dict[float, tuple[torch.Tensor, torch.Tensor, list[tuple[Piece, int, int]]]] = {}
 
     def layout(self, density: float) -> AgreedLayout:
         if density not in self._layouts:
@@ -161,29 +160,53 @@ class AgreedPlan:
         squares = x.float().square()
         return torch.segment_reduce(squares, "sum", lengths=self._lengths).index_select(0, self._block_segments)
 
+    def _fixed(self, density: float) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Piece, int, int]]]:
+        """What the rows at ``density`` hold whatever the scores, made once per density (the last
+        few are kept): the
+        positions and real slots of the always-sent coordinates, of the pieces sent whole and of
+        the padding (int64 and bool [world, width]), and for each piece that chooses its blocks
+        (piece, blocks, where its slots start in the flattened rows)."""
+        if density not in self._fixed_rows:
+            if len(self._fixed_rows) >= 2:  # a ramp changes the density every step: keep density 1 and the last
+                self._fixed_rows.pop(next(d for d in self._fixed_rows if d != 1.0))
+            layout = self.layout(density)
+            positions = torch.empty(self.world, layout.width, dtype=torch.int64, device=self.device)
+            real = torch.zeros(self.world, layout.width, dtype=torch.bool, device=self.device)
+            used = [0] * self.world
+            chosen: list[tuple[Piece, int, int]] = []
+
+            def put(owner: int, values: torch.Tensor) -> None:
+                positions[owner].narrow(0, used[owner], values.numel()).copy_(values)
+                real[owner].narrow(0, used[owner], values.numel()).fill_(True)
+                used[owner] += values.numel()
+
+            for owner, always in enumerate(self.always):
+                put(owner, always)
+            for piece, k in zip(self.pieces, layout.k_blocks):
+                if k == piece.n_blocks:  # every block: the piece's coordinates in order
+                    put(piece.owner, torch.arange(piece.start, piece.end, dtype=torch.int64, device=self.device))
+                else:
+                    chosen.append((piece, k, piece.owner * layout.width + used[piece.owner]))
+                    used[piece.owner] += k * self.block
+            for owner in range(self.world):  # padding points into the owner's own shard and carries 0
+                positions[owner].narrow(0, used[owner], layout.width - used[owner]).fill_(
+                    min(owner * self.shard, self.numel - 1))
+            self._fixed_rows[density] = (positions, real, chosen)
+        return self._fixed_rows[density]
+
     def select(self, scores: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 [world, width] positions, bool [world, width] real slots) from the agreed
         ``scores``: the same on every rank that holds the same scores."""
-        layout, block = self.layout(density), self.block
-        rows: list[list[torch.Tensor]] = [[always] for always in self.always]
-        real: list[list[torch.Tensor]] = [[torch.ones_like(always, dtype=torch.bool)] for always in self.always]
-        for piece, k, last in zip(self.pieces, layout.k_blocks, self._piece_last):
-            if k == piece.n_blocks:  # every block: the piece's coordinates in order
-                whole = torch.arange(piece.start, piece.end, dtype=torch.int64, device=self.device)
-                rows[piece.owner].append(whole)
-                real[piece.owner].append(torch.ones_like(whole, dtype=torch.bool))
-                continue
-            chosen = torch.topk(scores.narrow(0, piece.first_block, piece.n_blocks), k,
+        fixed_positions, fixed_real, chosen = self._fixed(density)
+        positions, real = fixed_positions.clone(), fixed_real.clone()
+        flat_positions, flat_real = positions.view(-1), real.view(-1)
+        for piece, k, at in chosen:
+            blocks = torch.topk(scores.narrow(0, piece.first_block, piece.n_blocks), k,
                                 sorted=False).indices + piece.first_block
-            positions = (self._block_starts.index_select(0, chosen).unsqueeze(1) + self._offsets).view(-1)
-            rows[piece.owner].append(torch.minimum(positions, last))
-            real[piece.owner].append(positions <= last)
-        for owner in range(self.world):
-            used = sum(t.numel() for t in rows[owner])
-            home = min(owner * self.shard, self.numel - 1)  # padding points into the owner's own shard
-            rows[owner].append(torch.full((layout.width - used,), home, dtype=torch.int64, device=self.device))
-            real[owner].append(torch.zeros(layout.width - used, dtype=torch.bool, device=self.device))
-        return (torch.stack([torch.cat(row) for row in rows]), torch.stack([torch.cat(row) for row in real]))
+            slots = (self._block_starts.index_select(0, blocks).unsqueeze(1) + self._offsets).view(-1)
+            flat_real.narrow(0, at, slots.numel()).copy_(slots < piece.end)
+            flat_positions.narrow(0, at, slots.numel()).copy_(slots.clamp_(max=piece.end - 1))
+        return positions, real
 
 
 def pack_rows(values: torch.Tensor, value_format: str, span: int) -> tuple[torch.Tensor, torch.Tensor]:
