@@ -37,17 +37,18 @@ def higgs_flags(density: float, train_iters: int, dense_iters: int | None = None
 
 def lean_flags(train_iters: int, density: float = 0.25, payload: str = "int4", dense_wire: str = "int8",
                dense_iters: int | None = None, ramp_iters: int | None = None, freeze_variance: bool = False,
-               refresh_iters: int = 20) -> list[str]:
+               refresh_iters: int = 20, sync: str = "sparse") -> list[str]:
     """``--use-higgs`` with the schedule for fewest bytes over a run: a dense stage as long as
     the pretrain script's learning-rate warm-up (a tenth of the run) sent as ``dense_wire``
     ('int8' or 'bf16'), a ramp over a twentieth of the run to ``density``, the ``payload``
     format, and Adam as it is (at a density of a quarter error feedback's bursts are a few
     steps long, and a frozen second moment cost more loss than they do). ``freeze_variance``
     freezes it after the dense stage instead, refreshed for ``refresh_iters`` at 2, 4, 8...
-    times the dense stage (0: never)."""
+    times the dense stage (0: never). ``sync``: the compressed form, ``sparse`` (all-gathered)
+    or ``agreed`` (summed by an all-to-all, ``compress.agreed``)."""
     dense_iters = train_iters // 10 if dense_iters is None else dense_iters
     ramp_iters = train_iters // 20 if ramp_iters is None else ramp_iters
-    flags = ["--use-higgs", "--higgs-compression-ratio", f"{density:g}", "--higgs-sync", "sparse",
+    flags = ["--use-higgs", "--higgs-compression-ratio", f"{density:g}", "--higgs-sync", sync,
              "--higgs-payload", payload, "--higgs-dense-iters", str(dense_iters),
              "--higgs-density-warmup-iters", str(ramp_iters)]
     if dense_iters:

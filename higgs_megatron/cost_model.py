@@ -12,7 +12,8 @@ path keeps this rank busy, from costs measured once at start-up on the real grou
 * agreed:       ``compress(N) + exchange(R) [+ gather(R / n)] + dense-like(S)``: the all-to-all
                 of R bytes of rows (``compress.agreed``), without the distributed optimizer the
                 all-gather of the owners' rounded sums (a 1/n part of R from each rank), and the
-                all-reduce of the block scores' S bytes, priced as the dense all-reduce;
+                all-reduces of the block scores and the always-sent values (S bytes), priced as the
+                dense all-reduce;
 * hierarchical: ``node_scatter(B) + compress(N / L) + cross_gather(P') + node_gather(B / L)``:
                 reduce-scatter inside the node of L ranks, top-k on this rank's slice, the
                 slice's payload P' gathered across nodes, the slices gathered inside the node.
@@ -122,7 +123,7 @@ class BucketShape:
     ranks_per_node: int = 1
     agreed_rows_bytes: int | None = None  # the agreed path's all-to-all input (None: not available)
     agreed_gather_bytes: int = 0  # its all-gather input (0 with the distributed optimizer)
-    agreed_score_bytes: int = 0  # its scores' all-reduce
+    agreed_reduce_bytes: int = 0  # its all-reduces: the block scores and the always-sent values
 
 
 def predict(costs: LinkCosts, shape: BucketShape) -> dict[str, float]:
@@ -134,7 +135,7 @@ def predict(costs: LinkCosts, shape: BucketShape) -> dict[str, float]:
     if costs.exchange is not None and shape.agreed_rows_bytes is not None:
         predicted["agreed"] = (shape.numel * per_element + costs.exchange.seconds(shape.agreed_rows_bytes)
                                + (costs.gather.seconds(shape.agreed_gather_bytes) if shape.agreed_gather_bytes else 0)
-                               + costs.dense.seconds(shape.agreed_score_bytes))
+                               + costs.dense.seconds(shape.agreed_reduce_bytes))
     if costs.has_hierarchy and shape.slice_payload_bytes is not None:
         predicted["hierarchical"] = (costs.node_scatter.seconds(shape.bucket_bytes)
                                      + shape.slice_numel * per_element

@@ -477,24 +477,25 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             positions, real = plan.select(scores.committed, density)
             values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
             rows, rounded = pack_rows(values, value_format, layout.span)
+            always = grad.index_select(0, plan.always_positions)  # sent whole, summed by an all-reduce
             # What the next step would send: what is left, plus this step's gradient standing in for the next.
             if residual is None:
                 expected = grad
             else:
-                empty = grad.new_empty(0)
-                residual.stage(grad, SparseGrad(empty, empty.long(), positions.view(-1), rounded.view(-1)))
+                residual.stage(grad, SparseGrad(always, plan.always_positions, positions.view(-1), rounded.view(-1)))
                 expected = grad.add(residual.staged)
                 if not residual.committed_zero:
                     expected.sub_(residual.committed)
             local_scores = plan.scores(expected)
         gather = not self.ddp_config.use_distributed_optimizer
-        stats.bytes_sent += rows.numel() + plan.score_bytes() + (rows.shape[1] if gather else 0)
+        stats.bytes_sent += (rows.numel() + plan.score_bytes() + plan.always_bytes(grad.dtype)
+                             + (rows.shape[1] if gather else 0))
         if payload is DENSE_INT8:
             stats.dense_buckets += 1
         else:
             stats.sparse_buckets += 1
-        return launch_agreed(self.higgs.comm, plan, density, value_format, positions, rows, local_scores, scores,
-                             residual, grad, self._communication_group, gather, async_op=async_op)
+        return launch_agreed(self.higgs.comm, plan, density, value_format, positions, rows, always, local_scores,
+                             scores, residual, grad, self._communication_group, gather, async_op=async_op)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:

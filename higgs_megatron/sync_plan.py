@@ -107,7 +107,7 @@ class BucketPaths:
             row = plan.row_bytes(density, self.dtype, value_format)
             gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * row
             return (ring_factor("all_to_all", world) * world * row + gather
-                    + ring_factor("all_reduce", world) * plan.score_bytes())
+                    + ring_factor("all_reduce", world) * (plan.score_bytes() + plan.always_bytes(self.dtype)))
         return ring_factor("all_gather", world) * plan.payload_bytes(density, self.dtype, DENSE_INT8 if int8 else None)
 
     @property
@@ -131,7 +131,7 @@ class BucketPaths:
         return BucketShape(
             agreed_rows_bytes=self.world * row if agreed else None,
             agreed_gather_bytes=0 if self.distributed_optimizer else row,
-            agreed_score_bytes=agreed.score_bytes() if agreed else 0,
+            agreed_reduce_bytes=agreed.score_bytes() + agreed.always_bytes(self.dtype) if agreed else 0,
             bucket_bytes=self.bucket_bytes, numel=self.numel,
             flat_payload_bytes=flat.payload_bytes(density, self.dtype) if flat and "sparse" in forms else None,
             slice_numel=piece.numel if piece else 0,

@@ -17,6 +17,8 @@ the whole run and per step at the end, and tokens/s. The runs (``--runs``, in th
   than they do. ``--lean-freeze-variance`` freezes it after the dense stage and refreshes it in
   short dense windows at 2, 4, 8... times the dense stage (the lean schedule before that was
   measured; ``docs/experiments/convergence.md``);
+* ``agreed``: the lean schedule on the agreed form (``--higgs-sync agreed``: every rank the same
+  blocks, summed by an all-to-all, so its wire bytes per rank do not grow with the DP size);
 * ``no-ef``: ``ef`` without error feedback.
 
 Writes ``convergence.md`` and ``convergence.png`` (the validation-loss curves, and each run's
@@ -45,7 +47,7 @@ from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
 log = get_logger("bench_convergence")
 
 
-RUNS = ("dense", "peer", "ef", "lean", "no-ef")
+RUNS = ("dense", "peer", "ef", "lean", "agreed", "no-ef")
 
 
 def runs_list(value: str) -> list[str]:
@@ -57,11 +59,11 @@ def runs_list(value: str) -> list[str]:
     return runs
 
 
-def lean_schedule(args: argparse.Namespace) -> list[str]:
+def lean_schedule(args: argparse.Namespace, sync: str = "sparse") -> list[str]:
     """``benchmarks.lean_flags`` with this script's ``--lean-*`` flags."""
     refresh = {} if args.lean_refresh_iters is None else {"refresh_iters": args.lean_refresh_iters}
     return lean_flags(args.train_iters, args.lean_density, args.lean_payload, args.lean_dense_wire,
-                      args.lean_dense_iters, args.lean_ramp_iters, args.lean_freeze_variance, **refresh)
+                      args.lean_dense_iters, args.lean_ramp_iters, args.lean_freeze_variance, sync=sync, **refresh)
 
 
 def also_log(value: str) -> tuple[Path, str]:
@@ -124,6 +126,9 @@ def main() -> int:
         "lean": (f"higgs top-k {args.lean_density:g}, {args.lean_payload} payload, {args.lean_dense_wire} dense "
                  f"stage{', frozen second moment' if args.lean_freeze_variance else ''} (lean)",
                  common + lean, "examples/pretrain_gpt.py"),
+        "agreed": (f"higgs agreed blocks {args.lean_density:g}, {args.lean_payload} values, {args.lean_dense_wire} "
+                   "dense stage (the lean schedule, --higgs-sync agreed)",
+                   common + lean_schedule(args, sync="agreed"), "examples/pretrain_gpt.py"),
         "no-ef": (f"higgs top-k {args.density:g}, no error feedback", common + higgs + ["--no-higgs-error-feedback"],
                   "examples/pretrain_gpt.py"),
     }

@@ -16,6 +16,8 @@ SLOTS = [ParamSlot(0, 1000), ParamSlot(1000, 1010), ParamSlot(1024, 5000), Param
 
 
 def test_rows_hold_each_owners_shard_and_density_one_covers_every_parameter_once():
+    """Row j holds coordinates of shard j only; the rows and the always-sent coordinates
+    together cover every parameter's coordinate once and nothing else."""
     plan = AgreedPlan(5003, SLOTS, 64, 4, CPU, "int4")
     assert plan.shard == 1251 and [p.owner for p in plan.pieces] == [0, 0, 1, 2, 3]
     scores = plan.scores(torch.randn(5003, generator=torch.Generator().manual_seed(0)))
@@ -25,8 +27,8 @@ def test_rows_hold_each_owners_shard_and_density_one_covers_every_parameter_once
         for owner in range(4):  # every slot points into its owner's shard (padding too)
             assert bool(((positions[owner] // plan.shard) == owner).all())
         assert torch.equal(plan.select(scores.clone(), density)[0], positions)  # same scores, same rows
-    covered = torch.zeros(5003, dtype=torch.long).index_add_(0, positions[real], torch.ones(int(real.sum()),
-                                                                                           dtype=torch.long))
+    sent = torch.cat([positions[real], plan.always_positions])  # the bias goes by an all-reduce of its own
+    covered = torch.zeros(5003, dtype=torch.long).index_add_(0, sent, torch.ones_like(sent))
     in_params = torch.zeros(5003, dtype=torch.bool)
     for slot in SLOTS:
         in_params[slot.start:slot.end] = True

@@ -6,7 +6,7 @@ import pytest
 
 from higgs_megatron.reduce.wire import WireMeter, dense_wire_bytes, gloo_factor, ring_factor, wire_bytes
 from higgs_megatron.testing import run_ranks
-from tests.wire_workers import sync_bytes_against_gloo
+from tests.wire_workers import fake_group_count, sync_bytes_against_gloo
 
 
 def test_ring_factors():
@@ -69,3 +69,18 @@ def test_meter_counts_what_gloo_moves(world_size, form, tiny_gpt_args):
         dense_step, compressed_step = rank_out["steps"][0], rank_out["steps"][-1]
         assert set(compressed_step["kinds"]) == COMPRESSED_KINDS[form] and compressed_step["density"] < 1
         assert dense_step["density"] == 1
+
+
+@pytest.mark.parametrize("form", ["sparse-int4", "agreed-int4", "agreed-distopt"])
+def test_one_rank_on_a_fake_group_counts_what_real_ranks_count(form, tiny_gpt_args):
+    """``scripts/project_wire.py`` counts one rank's sync on torch's fake process group of P
+    ranks (nothing moves): per step, the same wire bytes as each of P real gloo ranks counts
+    (which the test above holds against the bytes gloo moved)."""
+    world_size = 4
+    argv = (tiny_gpt_args + ["--global-batch-size", str(4 * world_size), "--train-iters", "3", "--ddp-bucket-size",
+                             "20000", "--use-higgs", "--higgs-dense-iters", "1", "--higgs-min-bucket-numel", "0"]
+            + FORMS[form])
+    real = run_ranks(sync_bytes_against_gloo, world_size, args=(argv,), timeout=400)
+    fake = run_ranks(fake_group_count, 1, args=(world_size, argv, [0, 1, 2]), timeout=400)[0]
+    assert [round(step[0], 6) for step in fake["steps"]] == [round(step["wire"], 6) for step in real[0]["steps"]]
+    assert fake["steps"][0][3] and not fake["steps"][-1][3]  # a dense-stage step, then compressed ones

@@ -51,3 +51,15 @@ def sync_bytes_against_gloo(argv: list[str]) -> dict:
             HiggsBucketGroup.finish_grad_sync = original
         trainer.close()
     return {"steps": steps}
+
+
+def fake_group_count(world_size: int, argv: list[str], steps: list[int]) -> dict:
+    """``scripts/project_wire.py``'s count of ``steps`` on a fake group of ``world_size`` ranks."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "project_wire.py"
+    spec = importlib.util.spec_from_file_location("project_wire", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.count_sync(world_size, argv, steps)

@@ -17,11 +17,12 @@ The plan (``AgreedPlan``), fixed for a bucket and a group of P ranks:
   every layer moving (layer-wise top-k, as in DGC) and keeps TP-replicated parameters
   identical across TP ranks (their scores are the same on every TP rank of a DP replica);
   a piece sends ``ceil(density x blocks)`` of its blocks every step, a fixed number;
-* smaller parameters go whole, every step, to the owner of their coordinates.
+* smaller parameters (biases, layer norms) go whole every step, by an all-reduce of their own
+  in the gradient's dtype (``always_positions``): in the rows they would all widen the rows of
+  the few owners whose shards hold them, and every row is as wide as the widest.
 
 Per step, on every rank alike (``select``): the agreed scores of the last step rank each
-piece's blocks; the chosen blocks and the always-sent coordinates make, per owner, a row
-of ``width`` slots (the widest owner's count; the others pad with slots that carry 0). Row j
+piece's blocks; the chosen blocks make, per owner, a row of ``width`` slots (the widest owner's count; the others pad with slots that carry 0). Row j
 holds what rank j sums. A piece sent whole takes its own length; otherwise each chosen block
 takes ``block`` slots, and those past the piece's end in its last block are padding too (their
 position is the piece's last coordinate, and they carry 0). A shard should hold many blocks:
@@ -118,15 +119,8 @@ class AgreedPlan:
         self._block_segments = torch.tensor(block_segments, dtype=torch.int64, device=device)
         self._block_starts = torch.tensor(block_starts, dtype=torch.int64, device=device)
         always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
-        owners: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-        for start, end in always:  # cut at the shard bounds too
-            while start < end:
-                owner = start // self.shard
-                cut = min(end, (owner + 1) * self.shard)
-                owners[owner].append((start, cut))
-                start = cut
-        self.always = [torch.cat([torch.arange(s, e, dtype=torch.int64, device=device) for s, e in runs])
-                       if runs else torch.empty(0, dtype=torch.int64, device=device) for runs in owners]
+        self.always_positions = (torch.cat([torch.arange(s, e, dtype=torch.int64, device=device) for s, e in always])
+                                 if always else torch.empty(0, dtype=torch.int64, device=device))
         self._offsets = torch.arange(block, dtype=torch.int64, device=device)
         self._layouts: dict[float, AgreedLayout] = {}
         self._fixed_rows: dict[float, tuple[torch.Tensor, torch.Tensor, list[tuple[Piece, int, int]]]] = {}
@@ -134,7 +128,7 @@ class AgreedPlan:
     def layout(self, density: float) -> AgreedLayout:
         if density not in self._layouts:
             k_blocks = [min(piece.n_blocks, math.ceil(density * piece.n_blocks)) for piece in self.pieces]
-            per_owner = [always.numel() for always in self.always]
+            per_owner = [0] * self.world
             for piece, k in zip(self.pieces, k_blocks):  # a piece sent whole takes its own length
                 per_owner[piece.owner] += piece.end - piece.start if k == piece.n_blocks else k * self.block
             width = max(1, max(per_owner))
@@ -151,6 +145,10 @@ class AgreedPlan:
             size += 4 * layout.n_scales
         return -(-size // 4) * 4
 
+    def always_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the always-sent values' all-reduce."""
+        return self.always_positions.numel() * dtype.itemsize
+
     def score_bytes(self) -> int:
         """Bytes of the scores' all-reduce (bf16, one per block)."""
         return 2 * self.n_blocks
@@ -162,8 +160,7 @@ class AgreedPlan:
 
     def _fixed(self, density: float) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Piece, int, int]]]:
         """What the rows at ``density`` hold whatever the scores, made once per density (the last
-        few are kept): the
-        positions and real slots of the always-sent coordinates, of the pieces sent whole and of
+        few are kept): the positions and real slots of the pieces sent whole and of
         the padding (int64 and bool [world, width]), and for each piece that chooses its blocks
         (piece, blocks, where its slots start in the flattened rows)."""
         if density not in self._fixed_rows:
@@ -180,8 +177,6 @@ class AgreedPlan:
                 real[owner].narrow(0, used[owner], values.numel()).fill_(True)
                 used[owner] += values.numel()
 
-            for owner, always in enumerate(self.always):
-                put(owner, always)
             for piece, k in zip(self.pieces, layout.k_blocks):
                 if k == piece.n_blocks:  # every block: the piece's coordinates in order
                     put(piece.owner, torch.arange(piece.start, piece.end, dtype=torch.int64, device=self.device))

@@ -4,9 +4,10 @@ Every rank of ``group`` holds the same positions (``compress.agreed``), so row j
 rank holds values for the same coordinates of shard j. Per bucket and step, every rank makes
 the same calls with the same sizes:
 
-1. ``launch_agreed``: an all-to-all sends row j to rank j, asynchronously; the bf16 all-reduce
-   of the block scores for the next step goes out beside it. Wire per rank: (P-1)/P of the
-   rows, and the scores', neither growing with P.
+1. ``launch_agreed``: an all-to-all sends row j to rank j, asynchronously; beside it, an
+   all-reduce of the always-sent values (small parameters, in the gradient's dtype) and the
+   bf16 all-reduce of the block scores for the next step. Wire per rank: (P-1)/P of the rows,
+   2(P-1)/P of the others', none growing with P.
 2. ``finish`` (after ``wait``): the owner decodes the P rows it received and sums them in fp32
    (the same sum on any rank: one rank computes it). With the distributed optimizer that sum
    is the shard of the bucket the optimizer reads, written into it; nothing more goes out.
@@ -49,9 +50,11 @@ class PendingAgreed:
     value_format: str
     positions: torch.Tensor  # int64 [world, width], the same on every rank
     received: torch.Tensor  # uint8 [world, row bytes]: row p is peer p's values for this rank's shard
+    always: torch.Tensor  # the always-sent values, being summed
     work: object
     scores: torch.Tensor  # bf16 [n_blocks], being summed
     score_work: object
+    always_work: object
     score_buffer: ScoreBuffer
     residual: ResidualBuffer | None
     target: torch.Tensor
@@ -59,7 +62,7 @@ class PendingAgreed:
 
     def wait(self, waiter=None) -> None:
         """Wait for the exchange and the scores; ``waiter(work)`` replaces ``work.wait()``."""
-        for name in ("work", "score_work"):
+        for name in ("work", "score_work", "always_work"):
             work = getattr(self, name)
             if work is not None:
                 (waiter or _plain_wait)(work)
@@ -83,6 +86,7 @@ class PendingAgreed:
             hi = min(lo + self.plan.shard, self.target.numel())
             self.target.narrow(0, lo, hi - lo).zero_()
             self.target.index_add_(0, mine, sums.view(-1).to(dtype))
+            self.target.index_copy_(0, self.plan.always_positions, self.always)
             return
         wire, rounded = pack_rows(sums, fmt, layout.span)
         if self.residual is not None and fmt != "wide":
@@ -92,17 +96,22 @@ class PendingAgreed:
         values = unpack_rows(gathered, fmt, layout.width, layout.span, dtype)
         self.target.zero_()
         self.target.index_add_(0, self.positions.view(-1), values.view(-1))
+        self.target.index_copy_(0, self.plan.always_positions, self.always)
 
 
 def launch_agreed(comm: Collectives, plan: AgreedPlan, density: float, value_format: str, positions: torch.Tensor,
-                  rows: torch.Tensor,
+                  rows: torch.Tensor, always: torch.Tensor,
                   scores: torch.Tensor, score_buffer: ScoreBuffer, residual: ResidualBuffer | None,
                   target: torch.Tensor, group: dist.ProcessGroup, gather: bool, async_op: bool = True) -> PendingAgreed:
-    """Start step 1 for ``rows`` (``pack_rows``' bytes, row j for rank j) and this rank's block
-    ``scores`` (fp32); the caller later calls ``finish()`` on what this returns."""
+    """Start step 1 for ``rows`` (``pack_rows``' bytes, row j for rank j), the ``always``-sent
+    values (summed in place) and this rank's block ``scores`` (fp32); the caller later calls
+    ``finish()`` on what this returns."""
     received = torch.empty_like(rows)
     work = comm.all_to_all(received, rows, group, async_op=async_op)
+    # (none where the bucket has no small parameter: every rank's plan is the same)
+    always_work = comm.all_reduce(always, group, async_op=async_op) if always.numel() else None
     wire_scores = scores.to(torch.bfloat16)
     score_work = comm.all_reduce(wire_scores, group, async_op=async_op)
-    return PendingAgreed(comm, group, plan, density, value_format, positions, received, work if async_op else None, wire_scores,
-                         score_work if async_op else None, score_buffer, residual, target, gather)
+    return PendingAgreed(comm, group, plan, density, value_format, positions, received, always,
+                         work if async_op else None, wire_scores, score_work if async_op else None,
+                         always_work if async_op else None, score_buffer, residual, target, gather)

@@ -1,0 +1,146 @@
+"""Wire bytes per rank at large data-parallel sizes, counted on one rank's real gradient sync.
+
+For each DP size P, a fresh process joins torch's fake process group of P ranks (backend
+``fake``: every collective returns at once and moves nothing), builds the pretrain script's
+model with ``--use-higgs`` and a schedule, and runs HiggsDDP's own bucket syncs on random
+gradients, step by step through the schedule. The meter (``reduce.wire``) counts every
+collective the sync issues as it is issued, at the group's size: what this rank's link would
+carry on a ring of P ranks. Every rank of a data-parallel group issues the same collectives with
+the same sizes, so one rank's count is every rank's. A step's count depends only on its
+density and whether it is a dense-stage step, so each distinct (density, stage) is synced once
+and counted for every step that has it.
+
+The baseline is Megatron's own reduction of the same buckets at the same P: an fp32
+all-reduce, or a reduce-scatter with ``--use-distributed-optimizer``. PyTorch DDP's fp16 hook
+all-reduces half the bytes: 0.5x at every P.
+
+    python scripts/project_wire.py [--sizes 2,8,64,1024] [--train-iters 2400] [--distopt] [--forms sparse,agreed]
+                                   [-- <pretrain flags for the model>]
+
+Prints a markdown table: per schedule and P, the wire bytes over the run and of one
+compressed step, each against dense. Needs no network and no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from higgs_megatron.benchmarks import lean_flags  # noqa: E402
+from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
+
+log = get_logger("bench_project_wire")
+
+
+def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None) -> dict:
+    """In this process (which must have no process group yet): join a fake group of
+    ``world_size`` ranks as rank 0, build the model of ``argv`` and count the wire bytes of each
+    sync of the schedule (``steps``: those steps only; default: every step of ``--train-iters``).
+    Returns ``{"steps": [[wire, dense wire, density, dense stage], ...], "run": [wire, dense wire]}``."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
+
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    new_group = dist.new_group
+
+    def fake_new_group(*args, **kwargs):  # Megatron asks for some groups on gloo: the fake backend serves all
+        kwargs.pop("backend", None)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = fake_new_group
+    args = parse_args(argv)
+    counted: dict[tuple[float, bool], tuple[float, float]] = {}
+    per_step, run = [], [0.0, 0.0]
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with training_environment(args):
+            trainer = Trainer(args)
+            ddp = trainer.model[0]
+            config = ddp.higgs_config
+            for step in (range(args.train_iters) if steps is None else steps):
+                key = (config.density(step), config.dense_stage(step))
+                if key not in counted:
+                    ddp.take_stats()  # nothing before this step
+                    for group in ddp.bucket_groups:
+                        group.higgs_steps = step
+                        for bucket in group.buckets:
+                            bucket.grad_data.copy_(torch.randn(bucket.grad_data.shape, generator=generator))
+                        if group.ddp_config.overlap_grad_reduce:  # else finish starts it, as in Megatron's loop
+                            group.start_grad_sync()
+                        group.finish_grad_sync()
+                    stats = ddp.take_stats()
+                    counted[key] = (stats.wire_bytes, stats.dense_wire_bytes)
+                wire, dense = counted[key]
+                per_step.append([wire, dense, key[0], key[1]])
+                run[0] += wire
+                run[1] += dense
+            trainer.close()
+    finally:
+        dist.new_group = new_group
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return {"steps": per_step, "run": run}
+
+
+def _child(world_size: int, argv: list[str]) -> dict:
+    """``count_sync`` in a fresh interpreter: a fake group is the process's default group."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from project_wire import count_sync; "
+            "print('RESULT ' + json.dumps(count_sync(int(sys.argv[2]), json.loads(sys.argv[3]))))")
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(world_size),
+                           json.dumps(argv)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"counting at P={world_size} failed:\n{done.stderr[-3000:]}")
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="2,8,64,1024", help="comma-separated DP sizes")
+    parser.add_argument("--train-iters", type=int, default=2400)
+    parser.add_argument("--distopt", action="store_true", help="with --use-distributed-optimizer")
+    parser.add_argument("--forms", default="sparse,agreed", help="the lean schedule's forms to count")
+    parser.add_argument("extra", nargs="*", help="after --: pretrain flags for the model (default: the script's)")
+    args = parser.parse_args()
+    setup_logging()
+    sizes = [int(size) for size in args.sizes.split(",")]
+    common = ["--train-iters", str(args.train_iters), "--micro-batch-size", "1", "--eval-iters", "0",
+              "--log-interval", str(args.train_iters), "--num-threads", "1", "--overlap-grad-reduce",
+              *(["--use-distributed-optimizer"] if args.distopt else []), *args.extra]
+    names = {"sparse": "lean, sparse (all-gather)", "agreed": "lean, agreed (all-to-all)"}
+    schedules = {names[form]: lean_flags(args.train_iters, sync=form) for form in args.forms.split(",")}
+    rows: dict[str, dict[int, tuple[float, float]]] = {}
+    for name, flags in schedules.items():
+        rows[name] = {}
+        for size in sizes:
+            log.info("%s at P=%d", name, size)
+            counted = _child(size, common + ["--global-batch-size", str(size)] + flags)
+            wire, dense = counted["run"]
+            last_wire, last_dense = counted["steps"][-1][:2]
+            rows[name][size] = (wire / dense, last_wire / last_dense)
+    baseline = "reduce-scatter" if args.distopt else "all-reduce"
+    header = " | ".join(f"P={size:,}" for size in sizes)
+    lines = [f"Wire bytes per rank against Megatron's dense fp32 {baseline} at the same P, over "
+             f"{args.train_iters:,} iterations (in brackets: one compressed step at the end)", "",
+             f"| schedule | {header} |", "|---|" + "---|" * len(sizes)]
+    lines.append("| torch DDP + fp16 hook (all-reduce in fp16) | " + " | ".join(
+        f"{0.5 * (1 if not args.distopt else 2):.3f}" for _ in sizes) + " |")
+    for name, by_size in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{run:.4f} ({step:.4f})" for run, step in by_size.values()) + " |")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
