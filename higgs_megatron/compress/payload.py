@@ -56,7 +56,6 @@ import torch
 
 BLOCK = 1 << 16  # coordinates per block: a 16-bit offset addresses one
 _OFFSET_BIAS = 1 << 15  # offsets in [0, BLOCK) are stored as int16 in [-2**15, 2**15)
-_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 SLOTS_PER_SCALE = 256  # int8: about this many slots share a scale
 MIN_SPAN = 2048  # int8: a scale covers at least this many coordinates
 PAYLOADS = ("wide", "bf16", "int8", "int4")
@@ -108,7 +107,10 @@ class SlotLayout:
 
     @cached_property
     def bit_weights(self) -> torch.Tensor:
-        return torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=self.device)
+        """uint8 [8]: 1, 2, 4 ... 128, made on the device (no host data: a layout is made on the
+        first step at each density, inside the gradient path)."""
+        return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=self.device),
+                                        torch.arange(8, dtype=torch.uint8, device=self.device))
 
 
 def scale_span(density: float) -> int:
