@@ -118,7 +118,8 @@ class HiggsConfig:
     """Buckets smaller than this stay dense (Megatron's own collective)."""
 
     sync: str = field(default="auto", metadata=_flag(
-        "--higgs-sync", "auto: per bucket, the path a cost model of the measured links predicts fastest; sparse: "
+        "--higgs-sync", "auto: per bucket, the path (dense, sparse or hierarchical) a cost model of the measured links "
+        "predicts fastest; sparse: "
         "each rank's own top-k, all-gathered (bytes per rank grow with the DP size); agreed: every rank sends the "
         "same blocks, chosen from block scores summed over the ranks, summed by an all-to-all (bytes per rank do "
         "not grow with the DP size)", choices=SYNC_MODES))
@@ -126,7 +127,8 @@ class HiggsConfig:
     the bytes on each rank's link grow with the DP size); 'agreed' compresses, every rank the same
     blocks, summed by an all-to-all (``compress.agreed``: they do not); 'dense' never compresses;
     'hierarchical' reduces densely inside each node and compresses only across nodes; 'auto' takes
-    whichever of these ``cost_model`` predicts fastest, from link costs measured at start-up. Under
+    whichever of dense, sparse and hierarchical ``cost_model`` predicts fastest, from link costs
+    measured at start-up (not 'agreed': at the same density it has lost more loss). Under
     every mode a step whose form would put no fewer bytes on the link than dense goes dense."""
 
     link_gbps: float | None = field(default=None, metadata=_flag(

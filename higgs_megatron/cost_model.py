@@ -9,11 +9,6 @@ path keeps this rank busy, from costs measured once at start-up on the real grou
                 distributed optimizer) of the bucket's B bytes;
 * sparse:       ``compress(N) + gather(P)``: error feedback and top-k over the bucket's N
                 elements, then the all-gather of a P-byte payload over the DP group;
-* agreed:       ``compress(N) + exchange(R) [+ gather(R / n)] + dense-like(S)``: the all-to-all
-                of R bytes of rows (``compress.agreed``), without the distributed optimizer the
-                all-gather of the owners' rounded sums (a 1/n part of R from each rank), and the
-                all-reduces of the block scores and the always-sent values (S bytes), priced as the
-                dense all-reduce;
 * hierarchical: ``node_scatter(B) + compress(N / L) + cross_gather(P') + node_gather(B / L)``:
                 reduce-scatter inside the node of L ranks, top-k on this rank's slice, the
                 slice's payload P' gathered across nodes, the slices gathered inside the node.
@@ -31,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-PATHS = ("dense", "sparse", "agreed", "hierarchical")
+PATHS = ("dense", "sparse", "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -65,7 +60,6 @@ class LinkCosts:
     gather: CollectiveCost
     compress_seconds_per_element: float
     source: str  # "measured" or "assumed 1.0 Gbit/s"
-    exchange: CollectiveCost | None = None  # the all-to-all over the group (None: no agreed path priced)
     node_scatter: CollectiveCost | None = None  # with more than one node and rank per node
     cross_gather: CollectiveCost | None = None
     node_gather: CollectiveCost | None = None
@@ -88,7 +82,7 @@ class LinkCosts:
         dense_factor = (n - 1) / n * (1 if distributed_optimizer else 2)
         hierarchical = nodes > 1 and ranks_per_node > 1 if hierarchy is None else hierarchy
         label = f"assumed {gbps:g} Gbit/s" + (f", {node_gbps:g} Gbit/s inside a node" if hierarchical else "")
-        return cls(dense=ring(dense_factor, gbps), gather=ring(n - 1, gbps), exchange=ring((n - 1) / n, gbps),
+        return cls(dense=ring(dense_factor, gbps), gather=ring(n - 1, gbps),
                    compress_seconds_per_element=compress_seconds_per_element, source=label,
                    node_scatter=ring((ranks_per_node - 1) / ranks_per_node, node_gbps) if hierarchical else None,
                    cross_gather=ring(nodes - 1, gbps) if hierarchical else None,
@@ -103,7 +97,7 @@ class LinkCosts:
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        names = {"dense": "dense", "gather": "all-gather", "exchange": "all-to-all", "node_scatter": "node reduce-scatter",
+        names = {"dense": "dense", "gather": "all-gather", "node_scatter": "node reduce-scatter",
                  "cross_gather": "cross-node all-gather", "node_gather": "node all-gather"}
         parts = [f"{label} {cost.gbps:.2f} Gbit/s + {cost.latency_s * 1e3:.2f} ms"
                  for name, label in names.items() if (cost := getattr(self, name)) is not None]
@@ -121,9 +115,6 @@ class BucketShape:
     slice_numel: int = 0
     slice_payload_bytes: int | None = None  # None: the hierarchical path is not available
     ranks_per_node: int = 1
-    agreed_rows_bytes: int | None = None  # the agreed path's all-to-all input (None: not available)
-    agreed_gather_bytes: int = 0  # its all-gather input (0 with the distributed optimizer)
-    agreed_reduce_bytes: int = 0  # its all-reduces: the block scores and the always-sent values
 
 
 def predict(costs: LinkCosts, shape: BucketShape) -> dict[str, float]:
@@ -132,10 +123,6 @@ def predict(costs: LinkCosts, shape: BucketShape) -> dict[str, float]:
     predicted = {"dense": costs.dense.seconds(shape.bucket_bytes)}
     if shape.flat_payload_bytes is not None:
         predicted["sparse"] = shape.numel * per_element + costs.gather.seconds(shape.flat_payload_bytes)
-    if costs.exchange is not None and shape.agreed_rows_bytes is not None:
-        predicted["agreed"] = (shape.numel * per_element + costs.exchange.seconds(shape.agreed_rows_bytes)
-                               + (costs.gather.seconds(shape.agreed_gather_bytes) if shape.agreed_gather_bytes else 0)
-                               + costs.dense.seconds(shape.agreed_reduce_bytes))
     if costs.has_hierarchy and shape.slice_payload_bytes is not None:
         predicted["hierarchical"] = (costs.node_scatter.seconds(shape.bucket_bytes)
                                      + shape.slice_numel * per_element
