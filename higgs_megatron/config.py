@@ -22,7 +22,7 @@ from .field_flags import flag_metadata as _flag
 from .given_flags import flags_given
 
 COMPRESSORS = ("topk", "sampled-topk", "none")
-SYNC_MODES = ("auto", "dense", "sparse", "agreed", "hierarchical")
+SYNC_MODES = ("auto", "dense", "sparse", "agreed", "sharded", "hierarchical")
 
 
 class ConfigError(ValueError):
@@ -122,10 +122,14 @@ class HiggsConfig:
         "predicts fastest; sparse: "
         "each rank's own top-k, all-gathered (bytes per rank grow with the DP size); agreed: every rank sends the "
         "same blocks, chosen from block scores summed over the ranks, summed by an all-to-all (bytes per rank do "
-        "not grow with the DP size)", choices=SYNC_MODES))
+        "not grow with the DP size); sharded: each rank's own top-k of each shard to its owner by an all-to-all, "
+        "the owners' top-k of their sums all-gathered (bytes per rank do not grow with the DP size)",
+        choices=SYNC_MODES))
     """Per bucket: 'sparse' compresses, each rank its own top-k, all-gathered (``reduce.sparse_allreduce``:
     the bytes on each rank's link grow with the DP size); 'agreed' compresses, every rank the same
-    blocks, summed by an all-to-all (``compress.agreed``: they do not); 'dense' never compresses;
+    blocks, summed by an all-to-all (``compress.agreed``: they do not); 'sharded' compresses, each
+    rank its own top-k of each shard, sent to the shard's owner, which sums them and sends back
+    the top-k of the sum (``compress.sharded``: they do not either); 'dense' never compresses;
     'hierarchical' reduces densely inside each node and compresses only across nodes; 'auto' takes
     whichever of dense, sparse and hierarchical ``cost_model`` predicts fastest, from link costs
     measured at start-up (not 'agreed': at the same density it has lost more loss). Under

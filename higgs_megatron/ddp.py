@@ -75,6 +75,7 @@ from .cost_model import LinkCosts
 from .device import DeviceTimer
 from .reduce.agreed_reduce import PendingAgreed, launch_agreed
 from .reduce.cast_reduce import PendingCastReduce, launch_cast_reduce
+from .reduce.sharded_reduce import PendingSharded, launch_sharded
 from .reduce.link_probe import measure_link_costs
 from .stability.regroup import peer_lost
 from .reduce.sparse_allreduce import (PendingHierarchical, PendingSparseReduce, launch_hierarchical,
@@ -372,9 +373,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 path, step_density, step_payload = self.higgs_buckets[idx].form, 1.0, DENSE_INT8
             stats.dense_bytes += grad.numel() * grad.element_size()
             stats.dense_wire_bytes += megatron_dense_wire(self, grad)
-            if path == "agreed":
-                pending = shared.launch(lambda: self._launch_agreed(idx, grad, step_density, step_payload, stats,
-                                                                   async_op))
+            if path in ("agreed", "sharded"):
+                launcher = self._launch_agreed if path == "agreed" else self._launch_sharded
+                pending = shared.launch(lambda: launcher(idx, grad, step_density, step_payload, stats, async_op))
                 if sums is not None:
                     sums.append(grad.sum(dtype=torch.float32))
                 if pending is not None:
@@ -496,6 +497,28 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             stats.sparse_buckets += 1
         return launch_agreed(self.higgs.comm, plan, density, value_format, positions, rows, always, local_scores,
                              scores, residual, grad, self._communication_group, gather, async_op=async_op)
+
+    def _launch_sharded(self, idx: int, grad: torch.Tensor, density: float, payload: Payload | None,
+                        stats: SyncStats, async_op: bool) -> PendingSharded:
+        """Error feedback and this rank's rows, each shard's own top-k (``compress.sharded``),
+        then the all-to-all (``reduce.sharded_reduce``)."""
+        plan, residual = self.higgs_plans[idx], self.higgs_residuals[idx]
+        payload = payload or plan.payload
+        group = self._communication_group
+        with self.higgs.compress_timer.measure(grad.device):
+            if residual is not None:
+                residual.accumulate(grad)
+            rows = plan.compress_rows(grad, density, self.higgs.selector, dist.get_rank(group),
+                                      key=(self.higgs_index, idx), payload=payload,
+                                      left=residual.staging() if residual is not None else None)
+        gather = not self.ddp_config.use_distributed_optimizer
+        stats.bytes_sent += rows.numel() + (rows.shape[1] if gather else 0)
+        if payload is DENSE_INT8:
+            stats.dense_buckets += 1
+        else:
+            stats.sparse_buckets += 1
+        return launch_sharded(self.higgs.comm, plan, density, payload, self.higgs.selector, (self.higgs_index, idx),
+                              rows, residual, grad, group, gather, async_op=async_op)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:

@@ -29,6 +29,7 @@ import torch
 from .compress.agreed import AgreedPlan
 from .compress.compressor import BucketPlan, ParamSlot
 from .compress.payload import DENSE_INT8
+from .compress.sharded import ShardedPlan
 from .config import HiggsConfig
 from .cost_model import BucketShape, LinkCosts, cheapest, predict
 from .reduce.sparse_allreduce import slice_range
@@ -80,7 +81,7 @@ class BucketPaths:
         1 (``dense_int8``); not with a hierarchical slice, as ``dense_in_bf16``; and only where
         that puts fewer bytes on the link than the plain dense step (an all-gather at this size).
         """
-        return (self.dense_int8 and self.slice is None and self.form in ("sparse", "agreed")
+        return (self.dense_int8 and self.slice is None and self.form in ("sparse", "agreed", "sharded")
                 and self.form_wire(1.0, int8=True) < self.plain_dense_wire())
 
     def plain_dense_wire(self) -> float:
@@ -108,7 +109,12 @@ class BucketPaths:
             gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * row
             return (ring_factor("all_to_all", world) * world * row + gather
                     + ring_factor("all_reduce", world) * (plan.score_bytes() + plan.always_bytes(self.dtype)))
-        return ring_factor("all_gather", world) * plan.payload_bytes(density, self.dtype, DENSE_INT8 if int8 else None)
+        payload = DENSE_INT8 if int8 else None
+        if isinstance(plan, ShardedPlan):
+            row = plan.row_bytes(density, self.dtype, payload)
+            gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * row
+            return ring_factor("all_to_all", world) * world * row + gather
+        return ring_factor("all_gather", world) * plan.payload_bytes(density, self.dtype, payload)
 
     @property
     def form(self) -> str | None:
@@ -145,13 +151,15 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
     # above dense's loss where the ranks' own top-k ended 0.9% (docs/compression.md), so it is
     # not one of auto's forms until it converges as well.
     forms = {"auto": ("sparse", "hierarchical"), "sparse": ("sparse",), "agreed": ("agreed",),
-             "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
+             "sharded": ("sharded",), "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
     instances = nodes is not None and nodes.instances
     if instances and forms:  # compressed across the instances only, whatever the sync mode
         forms = ("hierarchical",)
     candidates: dict[str, BucketPlan] = {}
     if "sparse" in forms:
         candidates["sparse"] = BucketPlan(numel, slots, config.min_param_numel, device, config.payload)
+    if "sharded" in forms:
+        candidates["sharded"] = ShardedPlan(numel, slots, config.min_param_numel, world, device, config.payload)
     if "agreed" in forms:
         candidates["agreed"] = AgreedPlan(numel, slots, config.min_param_numel, world, device, config.payload)
     hierarchy = nodes is not None and (config.sync == "hierarchical" or instances

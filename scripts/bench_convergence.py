@@ -47,7 +47,7 @@ from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
 log = get_logger("bench_convergence")
 
 
-RUNS = ("dense", "peer", "ef", "lean", "agreed", "no-ef")
+RUNS = ("dense", "peer", "ef", "lean", "agreed", "sharded", "no-ef")
 
 
 def runs_list(value: str) -> list[str]:
@@ -129,6 +129,9 @@ def main() -> int:
         "agreed": (f"higgs agreed blocks {args.lean_density:g}, {args.lean_payload} values, {args.lean_dense_wire} "
                    "dense stage (the lean schedule, --higgs-sync agreed)",
                    common + lean_schedule(args, sync="agreed"), "examples/pretrain_gpt.py"),
+        "sharded": (f"higgs sharded top-k {args.lean_density:g}, {args.lean_payload} payload, {args.lean_dense_wire} "
+                    "dense stage (the lean schedule, --higgs-sync sharded)",
+                    common + lean_schedule(args, sync="sharded"), "examples/pretrain_gpt.py"),
         "no-ef": (f"higgs top-k {args.density:g}, no error feedback", common + higgs + ["--no-higgs-error-feedback"],
                   "examples/pretrain_gpt.py"),
     }

@@ -14,7 +14,7 @@ The baseline is Megatron's own reduction of the same buckets at the same P: an f
 all-reduce, or a reduce-scatter with ``--use-distributed-optimizer``. PyTorch DDP's fp16 hook
 all-reduces half the bytes: 0.5x at every P.
 
-    python scripts/project_wire.py [--sizes 2,8,64,1024] [--train-iters 2400] [--distopt] [--forms sparse,agreed]
+    python scripts/project_wire.py [--sizes 2,8,64,1024] [--train-iters 2400] [--distopt] [--forms sparse,agreed,sharded]
                                    [-- <pretrain flags for the model>]
 
 Prints a markdown table: per schedule and P, the wire bytes over the run and of one
@@ -46,6 +46,7 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from higgs_megatron.compress.payload import Payload
     from higgs_megatron.training.arguments import parse_args
     from higgs_megatron.training.launch import training_environment
     from higgs_megatron.training.loop import Trainer
@@ -59,6 +60,11 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
         return new_group(*args, **kwargs)
 
     dist.new_group = fake_new_group
+    # Nothing moves on the fake group: what a collective "received" is whatever the buffer held,
+    # which no decoder is made to read (positions could point anywhere). Payloads are not
+    # decoded; decoding issues no collective, so the count is the same.
+    add_to = Payload.add_to
+    Payload.add_to = lambda self, target, buffer, layout: None
     args = parse_args(argv)
     counted: dict[tuple[float, bool], tuple[float, float]] = {}
     per_step, run = [], [0.0, 0.0]
@@ -88,6 +94,7 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
             trainer.close()
     finally:
         dist.new_group = new_group
+        Payload.add_to = add_to
         if dist.is_initialized():
             dist.destroy_process_group()
     return {"steps": per_step, "run": run}
@@ -110,7 +117,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="2,8,64,1024", help="comma-separated DP sizes")
     parser.add_argument("--train-iters", type=int, default=2400)
     parser.add_argument("--distopt", action="store_true", help="with --use-distributed-optimizer")
-    parser.add_argument("--forms", default="sparse,agreed", help="the lean schedule's forms to count")
+    parser.add_argument("--forms", default="sparse,agreed,sharded", help="the lean schedule's forms to count")
     parser.add_argument("extra", nargs="*", help="after --: pretrain flags for the model (default: the script's)")
     args = parser.parse_args()
     setup_logging()
@@ -118,7 +125,8 @@ def main() -> int:
     common = ["--train-iters", str(args.train_iters), "--micro-batch-size", "1", "--eval-iters", "0",
               "--log-interval", str(args.train_iters), "--num-threads", "1", "--overlap-grad-reduce",
               *(["--use-distributed-optimizer"] if args.distopt else []), *args.extra]
-    names = {"sparse": "lean, sparse (all-gather)", "agreed": "lean, agreed (all-to-all)"}
+    names = {"sparse": "lean, sparse (all-gather)", "agreed": "lean, agreed (all-to-all)",
+             "sharded": "lean, sharded (all-to-all, all-gather of the owners')"}
     schedules = {names[form]: lean_flags(args.train_iters, sync=form) for form in args.forms.split(",")}
     rows: dict[str, dict[int, tuple[float, float]]] = {}
     for name, flags in schedules.items():

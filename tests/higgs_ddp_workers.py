@@ -107,14 +107,15 @@ def resume_continuity(argv: list[str], split_at: int) -> dict:
             "params_equal": all(torch.equal(straight_params[n], resumed_params[n]) for n in straight_params)}
 
 
-def agreed_sync_invariants(argv: list[str]) -> dict:
-    """Train on the agreed form (``--higgs-sync agreed``, ``--clip-grad 0`` so the optimizer
-    leaves the summed gradient as the sync wrote it); after each step, per compressed bucket,
-    sum over the DP group what every rank accumulated and what it kept as residual: the
-    gradient applied (the same on every rank; with the distributed optimizer each rank's shard
-    of it) plus the residuals must be the accumulated
-    gradients, to float summation's rounding (the owners' rounding of their sums is in their
-    residuals). Returns the worst relative gap, and this rank's parameters and coordinates."""
+def owner_sum_invariants(argv: list[str]) -> dict:
+    """Train on a form whose shard owners sum (``--higgs-sync agreed`` or ``sharded``,
+    ``--clip-grad 0`` so the optimizer leaves the summed gradient as the sync wrote it); after
+    each step, per compressed bucket, sum over the DP group what every rank accumulated and what
+    it kept as residual: the gradient applied (the same on every rank; with the distributed
+    optimizer each rank's shard of it) plus the residuals must be the accumulated gradients, to
+    float summation's rounding (what an owner does not send of its sums is in its residual).
+    Returns the worst relative gap, the compressed steps, and this rank's parameters and
+    coordinates."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -132,7 +133,7 @@ def agreed_sync_invariants(argv: list[str]) -> dict:
         original(self, grad)
         accumulated[id(self)] = grad.clone()
 
-    gaps, agreed_steps = [], 0
+    gaps, compressed_steps = [], 0
     with training_environment(args):
         trainer = Trainer(args)
         ddp = trainer.model[0]
@@ -144,7 +145,7 @@ def agreed_sync_invariants(argv: list[str]) -> dict:
                 trainer.train_step()
                 trainer.iteration += 1
                 trainer.consumed_samples += args.global_batch_size
-                agreed_steps += ddp.take_stats().sparse_buckets > 0
+                compressed_steps += ddp.take_stats().sparse_buckets > 0
                 for group in ddp.bucket_groups:
                     for bucket, residual in zip(group.buckets, group.higgs_residuals):
                         if residual is None or id(residual) not in accumulated:
@@ -161,6 +162,6 @@ def agreed_sync_invariants(argv: list[str]) -> dict:
                         gaps.append(float((applied + left - acc).abs().max() / acc.abs().max()))
         finally:
             ResidualBuffer.accumulate = original
-        out = {"gaps": gaps, "agreed_steps": agreed_steps, "coords": coordinates(), "params": parameters(trainer)}
+        out = {"gaps": gaps, "compressed_steps": compressed_steps, "coords": coordinates(), "params": parameters(trainer)}
         trainer.close()
     return out

@@ -1,14 +1,11 @@
-"""The agreed-mask sync (``--higgs-sync agreed``): pure planning in one process, then real
-multi-process megatron-core runs over gloo against Megatron's DDP and the invariants."""
+"""The agreed-mask sync (``--higgs-sync agreed``): its pure planning, in one process (the
+multi-process runs against Megatron's DDP: ``test_owner_forms.py``)."""
 
 import pytest
 import torch
 
 from higgs_megatron.compress.agreed import AgreedPlan, pack_rows, unpack_rows
 from higgs_megatron.compress.compressor import ParamSlot
-from higgs_megatron.testing import run_ranks
-from tests.common_workers import train_variants_on_the_compressed_form
-from tests.higgs_ddp_workers import agreed_sync_invariants
 
 CPU = torch.device("cpu")
 # A weight across three of four shards, a bias (sent whole), a small gap, a second weight.
@@ -51,47 +48,3 @@ def test_rows_decode_to_what_pack_rounded(value_format):
     assert torch.equal(unpack_rows(wire, value_format, 300, 256, torch.float32), rounded)
     error = {"wide": 0.0, "bf16": 2 ** -8, "int8": 1 / 254, "int4": 1 / 14}[value_format]
     assert float((values - rounded).abs().max()) <= error * float(values.abs().max()) * 1.01
-
-
-def _argv(tiny_gpt_args, world_size, layout, extra):
-    return (tiny_gpt_args + layout + ["--global-batch-size", "16", "--train-iters", "5", "--overlap-grad-reduce",
-                                      "--ddp-bucket-size", "20000"] + extra)
-
-
-LAYOUTS = [pytest.param(2, [], id="dp2"),
-           pytest.param(4, ["--tensor-model-parallel-size", "2"], id="tp2xdp2")]
-DISTOPT = pytest.mark.parametrize("distopt", [[], ["--use-distributed-optimizer"]], ids=["adam", "distopt"])
-
-
-@DISTOPT
-@pytest.mark.parametrize("world_size,layout", LAYOUTS)
-def test_density_one_through_the_agreed_form_equals_megatron_ddp(world_size, layout, distopt, tiny_gpt_args):
-    base = _argv(tiny_gpt_args, world_size, layout, distopt)
-    variants = {"megatron": base,
-                "agreed-1.0": base + ["--use-higgs", "--higgs-sync", "agreed", "--higgs-compression-ratio", "1.0",
-                                      "--higgs-min-bucket-numel", "0"]}
-    for out in run_ranks(train_variants_on_the_compressed_form, world_size, args=(variants,), timeout=400):
-        assert out["forced"] > 0
-        reference = out["params"]["megatron"]
-        for name, value in out["params"]["agreed-1.0"].items():
-            torch.testing.assert_close(value, reference[name], rtol=1e-6, atol=1e-6 * reference[name].abs().max().item(),
-                                       msg=lambda m: f"agreed at density 1.0 differs at {name}: {m}")
-
-
-@DISTOPT
-@pytest.mark.parametrize("payload", [["int4", "--higgs-compression-ratio", "0.25", "--higgs-dense-iters", "2",
-                                      "--higgs-dense-int8"], ["bf16", "--higgs-compression-ratio", "0.05"]],
-                         ids=["int4-25pct-int8-dense", "bf16-5pct"])
-@pytest.mark.parametrize("world_size,layout", LAYOUTS)
-def test_agreed_sync_keeps_replicas_equal_and_conserves(world_size, layout, payload, distopt, tiny_gpt_args):
-    argv = _argv(tiny_gpt_args, world_size, layout, distopt + [
-        "--use-higgs", "--higgs-sync", "agreed", "--higgs-min-bucket-numel", "0", "--clip-grad", "0",
-        "--higgs-min-param-numel", "256", "--higgs-payload", *payload])
-    outs = run_ranks(agreed_sync_invariants, world_size, args=(argv,), timeout=400)
-    by_shard = {}
-    for out in outs:
-        assert out["agreed_steps"] >= 3 and out["gaps"] and max(out["gaps"]) < 1e-6, out["gaps"]
-        by_shard.setdefault((out["coords"]["tp"], out["coords"]["pp"]), []).append(out["params"])
-    for shard, replicas in by_shard.items():
-        for name, value in replicas[0].items():
-            assert torch.equal(value, replicas[1][name]), f"DP replicas differ at {name} (tp, pp) = {shard}"

@@ -11,8 +11,8 @@ from tests.host_sync_workers import host_syncs_in_gradient_path
 
 # The third: its first step dense in bf16 (reduce.cast_reduce), then 16-bit offsets and bf16
 # values; the fourth: its first step every coordinate in int8, then a bitmap and int8 values;
-# the last two, the agreed form (its first step in int8 rows, then int4 rows; with the
-# distributed optimizer).
+# the fifth and sixth, the agreed form (its first step in int8 rows, then int4 rows; with the
+# distributed optimizer); the last two, the sharded form (the same, the sampled selector on the first).
 @pytest.mark.parametrize("compressor,payload", [
     ("topk", ["--higgs-payload", "wide"]), ("sampled-topk", ["--higgs-payload", "int8"]),
     ("topk", ["--higgs-payload", "bf16", "--higgs-dense-iters", "1", "--higgs-dense-bf16"]),
@@ -20,9 +20,12 @@ from tests.host_sync_workers import host_syncs_in_gradient_path
                       "--higgs-compression-ratio", "0.2"]),
     ("topk", ["--higgs-sync", "agreed", "--higgs-payload", "int4", "--higgs-dense-iters", "1", "--higgs-dense-int8",
               "--higgs-compression-ratio", "0.25"]),
-    ("topk", ["--higgs-sync", "agreed", "--higgs-payload", "int8", "--use-distributed-optimizer"])],
+    ("topk", ["--higgs-sync", "agreed", "--higgs-payload", "int8", "--use-distributed-optimizer"]),
+    ("sampled-topk", ["--higgs-sync", "sharded", "--higgs-payload", "int4", "--higgs-dense-iters", "1",
+                      "--higgs-dense-int8", "--higgs-compression-ratio", "0.25"]),
+    ("topk", ["--higgs-sync", "sharded", "--higgs-payload", "int8", "--use-distributed-optimizer"])],
     ids=["topk-wide", "sampled-topk-int8", "topk-bf16-dense-bf16", "sampled-topk-bitmap-dense-int8",
-         "agreed-int4-dense-int8", "agreed-int8-distopt"])
+         "agreed-int4-dense-int8", "agreed-int8-distopt", "sharded-int4-dense-int8", "sharded-int8-distopt"])
 def test_a_compressed_dp2_step_makes_no_host_sync_in_the_gradient_path(compressor, payload, tiny_gpt_args):
     argv = tiny_gpt_args + ["--higgs-compression-ratio", "0.01", "--higgs-sync", "sparse"] + payload + [
         "--train-iters", "3", "--global-batch-size", "16", "--overlap-grad-reduce",

@@ -84,6 +84,27 @@ def test_a_form_that_would_send_more_than_dense_goes_dense_at_every_group_size()
         assert agreed.form_wire(0.5) < agreed.dense_wire() <= agreed.form_wire(1.0)
 
 
+def test_the_sharded_forms_wire_per_rank_stays_flat_as_the_group_grows():
+    """Each rank's top-k of each shard goes to its owner, the owners' top-k of the sums comes
+    back: two exchanges of about one flat payload each, at any group size, where the all-gather
+    of the whole payloads grows with the ranks. Its dense int8 step is a quarter of dense."""
+    def plan(world, sync, distopt=False):
+        return plan_bucket("b", NUMEL, torch.float32, SLOTS, HiggsConfig(sync=sync, min_bucket_numel=0,
+                                                                          min_param_numel=0, payload="int4"),
+                           None, CPU, world=world, distributed_optimizer=distopt)
+
+    ratios = {}
+    for world in (2, 8, 64):
+        for distopt in (False, True):
+            sharded = plan(world, "sharded", distopt)
+            assert path_at(sharded, 0.25, None) == "sharded"
+            ratios[world, distopt] = sharded.form_wire(0.25) / sharded.dense_wire()
+            assert 0.24 <= sharded.form_wire(1.0, int8=True) / sharded.dense_wire() <= 0.27, (world, distopt)
+    for distopt in (False, True):  # a bitmap and int4 values at a quarter: 1/16 of fp32, whatever P
+        assert all(0.06 <= ratios[world, distopt] <= 0.07 for world in (2, 8, 64)), ratios
+    assert plan(8, "sparse").form_wire(0.25) > 3.9 * plan(8, "sharded").form_wire(0.25)  # (P-1) against 2(P-1)/P
+
+
 def test_auto_on_a_slow_link_stays_dense_where_the_all_gather_would_send_more():
     """At 1 Gbit/s a 5% payload is worth gathering from 7 peers, not from 63: at 64 ranks the
     all-gather puts 63 payloads on each link, more than the dense all-reduce."""

@@ -34,7 +34,8 @@ def test_meter_takes_and_resets():
 
 
 # The compressed steps of each form: the all-gather of payloads ('sparse'); the all-to-all,
-# the scores' all-reduce and the all-gather of the sums ('agreed'), its dense steps in int8; with
+# the scores' all-reduce and the all-gather of the sums ('agreed'); the all-to-all of each rank's
+# top-k per shard and the all-gather of the owners' ('sharded'); their dense steps in int8; with
 # the distributed optimizer's reduce-scatter on the dense steps. A step's count must match what
 # every rank's sockets were handed, within gloo's framing (under 200 bytes a message, measured
 # here; at most 2(P-1) messages a collective).
@@ -45,14 +46,20 @@ FORMS = {
                     "--higgs-dense-int8"],
     "agreed-distopt": ["--higgs-sync", "agreed", "--higgs-payload", "int8", "--higgs-compression-ratio", "0.05",
                        "--use-distributed-optimizer"],
+    "sharded-int4": ["--higgs-sync", "sharded", "--higgs-payload", "int4", "--higgs-compression-ratio", "0.25",
+                     "--higgs-dense-int8"],
+    "sharded-distopt": ["--higgs-sync", "sharded", "--higgs-payload", "int8", "--higgs-compression-ratio", "0.05",
+                        "--use-distributed-optimizer"],
 }
 COMPRESSED_KINDS = {"sparse-int4": {"all_gather"}, "sparse-distopt": {"all_gather"},
                     "agreed-int4": {"all_to_all", "all_reduce", "all_gather"},
-                    "agreed-distopt": {"all_to_all", "all_reduce"}}
+                    "agreed-distopt": {"all_to_all", "all_reduce"},
+                    "sharded-int4": {"all_to_all", "all_gather"}, "sharded-distopt": {"all_to_all"}}
 
 
 # Every form at 2 and 4 ranks; at 8 (eight ranks on two cores) one of each kind of exchange.
-CASES = [(world_size, form) for world_size in (2, 4) for form in FORMS] + [(8, "sparse-int4"), (8, "agreed-int4")]
+CASES = [(world_size, form) for world_size in (2, 4) for form in FORMS] + [
+    (8, "sparse-int4"), (8, "agreed-int4"), (8, "sharded-int4")]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/io")
@@ -71,7 +78,7 @@ def test_meter_counts_what_gloo_moves(world_size, form, tiny_gpt_args):
         assert dense_step["density"] == 1
 
 
-@pytest.mark.parametrize("form", ["sparse-int4", "agreed-int4", "agreed-distopt"])
+@pytest.mark.parametrize("form", ["sparse-int4", "agreed-int4", "agreed-distopt", "sharded-int4", "sharded-distopt"])
 def test_one_rank_on_a_fake_group_counts_what_real_ranks_count(form, tiny_gpt_args):
     """``scripts/project_wire.py`` counts one rank's sync on torch's fake process group of P
     ranks (nothing moves): per step, the same wire bytes as each of P real gloo ranks counts

@@ -73,12 +73,18 @@ class BucketPlan:
     """The selection units of one bucket (see module docstring)."""
 
     def __init__(self, numel: int, slots: list[ParamSlot], min_param_numel: int, device: torch.device,
-                 payload: Payload | str = "wide") -> None:
+                 payload: Payload | str = "wide", always: list[ParamSlot] | None = None) -> None:
+        """``always``, if given: the always-sent slots, and every one of ``slots`` is a unit
+        (``min_param_numel`` is not applied: the caller cut them, ``compress.sharded``)."""
         self.numel = numel
         self.device = device
         self.payload = payload_format(payload) if isinstance(payload, str) else payload
-        always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
-        self.units = sorted((s for s in slots if s.numel >= min_param_numel), key=lambda s: s.start)
+        if always is not None:
+            slots, min_param_numel = slots + always, 0
+        small = always if always is not None else [s for s in slots if s.numel < min_param_numel]
+        always = sorted((s.start, s.end) for s in small)
+        self.units = sorted((s for s in slots if s.numel >= min_param_numel and s not in small),
+                            key=lambda s: s.start)
         self.units_numel = sum(unit.numel for unit in self.units)
         self.always_positions = (
             torch.cat([torch.arange(s, e, dtype=torch.long, device=device) for s, e in always])
@@ -165,10 +171,7 @@ class ResidualBuffer:
         if sent.positions is None:  # every coordinate sent (the implicit encoding)
             self.stage_rounded(acc, sent.values)
             return
-        self.staged.copy_(acc)
-        if sent.always.numel():
-            self.staged.index_add_(0, sent.always_positions, sent.always, alpha=-1)
-        self.staged.index_add_(0, sent.positions, sent.values, alpha=-1)
+        left_after(acc, sent, self.staged)
         self.staged_zero = False
         self.has_staged = True
 
@@ -188,10 +191,28 @@ class ResidualBuffer:
             self.staged_zero = False
         self.staged.index_add_(0, positions, values)
 
+    def staging(self) -> torch.Tensor:
+        """The staged buffer, for a caller that writes the new residual itself (every
+        coordinate of it: the sharded form, ``compress.sharded``)."""
+        self.staged_zero = False
+        self.has_staged = True
+        return self.staged
+
     def stage_all_sent(self) -> None:
         """The whole of ``acc`` went out (a dense step): nothing remains."""
         self.staged_zero = True
         self.has_staged = True
+
+
+def left_after(acc: torch.Tensor, sent: SparseGrad, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (as long as ``acc``) = what is left of ``acc`` after sending ``sent`` out of it
+    (``sent`` as ``compress`` made it: exact, see ``ResidualBuffer``); returns ``out``."""
+    if sent.positions is None:  # every coordinate: the rounding is what is left
+        return torch.sub(acc, sent.values, out=out)
+    out.copy_(acc)
+    if sent.always.numel():
+        out.index_add_(0, sent.always_positions, sent.always, alpha=-1)
+    return out.index_add_(0, sent.positions, sent.values, alpha=-1)
 
 
 def compress(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,

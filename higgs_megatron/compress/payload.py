@@ -324,6 +324,16 @@ class Payload:
                  else _unpack_nibbles(read.take(-(-k // 2), torch.uint8), k)).float()
         return always, positions, (codes * _per_slot(scales, positions, layout)).to(dtype)
 
+    def add_to(self, target: torch.Tensor, buffer: torch.Tensor, layout: SlotLayout) -> None:
+        """Add one peer's payload (``buffer``, read from its start) into ``target`` at its positions."""
+        always, positions, values = self.unpack(buffer, layout, target.dtype)
+        if positions is None:  # every coordinate, in order
+            target.add_(values)
+            return
+        if always.numel():
+            target.index_add_(0, layout.always_positions, always)
+        target.index_add_(0, positions, values)
+
 
 DENSE_INT8 = Payload("int8")  # a dense step under ``--higgs-dense-int8``: every coordinate (density 1)
 

@@ -74,13 +74,7 @@ class PendingSparseReduce:
         per_peer = self.gathered.view(self.world, -1)
         self.target.zero_()
         for peer in range(self.world):
-            always, positions, values = self.payload.unpack(per_peer.select(0, peer), self.layout, self.target.dtype)
-            if positions is None:  # every coordinate, in order
-                self.target.add_(values)
-                continue
-            if always.numel():
-                self.target.index_add_(0, self.layout.always_positions, always)
-            self.target.index_add_(0, positions, values)
+            self.payload.add_to(self.target, per_peer.select(0, peer), self.layout)
 
 
 def gather_payloads(comm: Collectives, payload: torch.Tensor, group: dist.ProcessGroup, async_op: bool):

@@ -1,0 +1,95 @@
+"""The sharded reduction: each rank's top-k of each shard to its owner by an all-to-all, the
+owners' top-k of their sums gathered back (``compress.sharded`` holds the tensor code).
+
+Per bucket and step, every rank makes the same calls with the same sizes:
+
+1. ``launch_sharded``: an all-to-all sends row j (this rank's payload for shard j) to rank j,
+   asynchronously. Wire per rank: (P-1)/P of the P rows, each about 1/P of a flat payload.
+2. ``finish`` (after ``wait``): the owner sums its shard in fp32, in rank order: its own
+   accumulated gradient there (never sent) and the P-1 rows it received. With the
+   distributed optimizer that sum is the shard of the bucket the optimizer reads, written
+   into it; nothing more goes out. Without it, the owner selects the top ``density`` of its
+   sum, keeps the rest in its own residual (so what it drops reaches a later step: error
+   feedback on the sum), and an all-gather brings every owner's row to every rank, which
+   decodes them into their shards: the same bytes, so the same gradient, on every rank. Wire:
+   (P-1) rows of about 1/P of a flat payload.
+
+Stream order (CUDA): the rows are made on the current stream before the launch, and NCCL's
+stream waits for it; ``finish`` runs after ``wait`` on the current stream, as the sparse path's
+does. On failure, as ``sparse_allreduce``: ``give_up`` still issues the all-gather every rank
+will issue, and reads nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..compress.compressor import ResidualBuffer
+from ..compress.payload import Payload
+from ..compress.selection import Selector
+from ..compress.sharded import ShardedPlan
+from .wire import Collectives
+
+
+def _plain_wait(work) -> None:
+    work.wait()
+
+
+@dataclass
+class PendingSharded:
+    """The all-to-all in flight; ``finish`` writes the summed gradient into ``target``."""
+
+    comm: Collectives
+    group: dist.ProcessGroup
+    plan: ShardedPlan
+    density: float
+    payload: Payload
+    selector: Selector
+    key: object
+    received: torch.Tensor  # uint8 [world, row bytes]: row p is peer p's payload for this rank's shard
+    work: object
+    residual: ResidualBuffer | None
+    target: torch.Tensor
+    gather: bool  # False: only this rank's shard of ``target`` is wanted (the distributed optimizer's)
+
+    def wait(self, waiter=None) -> None:
+        """Wait for the all-to-all; ``waiter(work)`` replaces ``work.wait()``."""
+        if self.work is not None:
+            (waiter or _plain_wait)(self.work)
+            self.work = None
+
+    def give_up(self, waiter) -> None:
+        """The step's sync was given up: the all-gather every rank issues still goes out."""
+        if self.gather:
+            row = self.received.select(0, 0)
+            waiter(self.comm.all_gather(torch.empty_like(self.received).view(-1), row, self.group, async_op=True))
+
+    def finish(self, waiter=None) -> None:
+        self.wait(waiter)
+        rank = dist.get_rank(self.group)
+        lo, hi = self.plan.bounds[rank]
+        total = self.plan.sum_shard(rank, self.target.narrow(0, lo, hi - lo), self.received, self.density,
+                                    self.payload)
+        if not self.gather:
+            self.target.narrow(0, lo, hi - lo).copy_(total)
+            return
+        row = self.plan.compress_sum(rank, total, self.density, self.selector, self.key, self.payload)
+        if self.residual is not None:  # what the owner did not send of the sum
+            self.residual.staged.narrow(0, lo, hi - lo).copy_(total)
+        gathered = torch.empty(self.plan.world * row.numel(), dtype=torch.uint8, device=row.device)
+        (waiter or _plain_wait)(self.comm.all_gather(gathered, row, self.group, async_op=True))
+        self.plan.add_gathered(self.target, gathered.view(self.plan.world, -1), self.density, self.payload)
+
+
+def launch_sharded(comm: Collectives, plan: ShardedPlan, density: float, payload: Payload, selector: Selector,
+                   key: object, rows: torch.Tensor, residual: ResidualBuffer | None, target: torch.Tensor,
+                   group: dist.ProcessGroup, gather: bool, async_op: bool = True) -> PendingSharded:
+    """Start step 1 for ``rows`` (``ShardedPlan.compress_rows``, row j for rank j); the caller
+    later calls ``finish()`` on what this returns."""
+    received = torch.empty_like(rows)
+    work = comm.all_to_all(received, rows, group, async_op=async_op)
+    return PendingSharded(comm, group, plan, density, payload, selector, key, received,
+                          work if async_op else None, residual, target, gather)
