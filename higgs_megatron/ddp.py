@@ -375,9 +375,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             stats.dense_wire_bytes += megatron_dense_wire(self, grad)
             if path in ("agreed", "sharded"):
                 launcher = self._launch_agreed if path == "agreed" else self._launch_sharded
-                pending = shared.launch(lambda: launcher(idx, grad, step_density, step_payload, stats, async_op))
-                if sums is not None:
-                    sums.append(grad.sum(dtype=torch.float32))
+                pending = shared.launch(lambda: launcher(idx, grad, step_density, step_payload, stats, async_op,
+                                                         sums))
                 if pending is not None:
                     sparse.append(pending)
                 continue
@@ -465,15 +464,18 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                                    nodes.inter, async_op, gather=not nodes.instances)
 
     def _launch_agreed(self, idx: int, grad: torch.Tensor, density: float, payload: Payload | None,
-                       stats: SyncStats, async_op: bool) -> PendingAgreed:
+                       stats: SyncStats, async_op: bool, sums: list[torch.Tensor] | None) -> PendingAgreed:
         """Error feedback, the agreed selection and this rank's rows (``compress.agreed``), then
-        the all-to-all and the scores' all-reduce (``reduce.agreed_reduce``)."""
+        the all-to-all and the scores' all-reduce (``reduce.agreed_reduce``). ``sums`` (the
+        non-finite check's) gets what the bucket sends summed."""
         plan, residual, scores = self.higgs_plans[idx], self.higgs_residuals[idx], self.higgs_scores[idx]
         value_format = payload.name if payload is not None else plan.value_format
         layout = plan.layout(density)
         with self.higgs.compress_timer.measure(grad.device):
             if residual is not None:
                 residual.accumulate(grad)
+            if sums is not None:
+                sums.append(grad.sum(dtype=torch.float32))
             scores.commit()
             positions, real = plan.select(scores.committed, density)
             values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
@@ -499,26 +501,29 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                              scores, residual, grad, self._communication_group, gather, async_op=async_op)
 
     def _launch_sharded(self, idx: int, grad: torch.Tensor, density: float, payload: Payload | None,
-                        stats: SyncStats, async_op: bool) -> PendingSharded:
+                        stats: SyncStats, async_op: bool, sums: list[torch.Tensor] | None) -> PendingSharded:
         """Error feedback and this rank's rows, each shard's own top-k (``compress.sharded``),
-        then the all-to-all (``reduce.sharded_reduce``)."""
+        then the all-to-all (``reduce.sharded_reduce``); ``sums`` as ``_launch_agreed``'s."""
         plan, residual = self.higgs_plans[idx], self.higgs_residuals[idx]
         payload = payload or plan.payload
         group = self._communication_group
         with self.higgs.compress_timer.measure(grad.device):
             if residual is not None:
                 residual.accumulate(grad)
+            if sums is not None:
+                sums.append(grad.sum(dtype=torch.float32))
+            always = plan.take_always(grad)
             rows = plan.compress_rows(grad, density, self.higgs.selector, dist.get_rank(group),
                                       key=(self.higgs_index, idx), payload=payload,
                                       left=residual.staging() if residual is not None else None)
         gather = not self.ddp_config.use_distributed_optimizer
-        stats.bytes_sent += rows.numel() + (rows.shape[1] if gather else 0)
+        stats.bytes_sent += rows.numel() + (rows.shape[1] if gather else 0) + plan.always_bytes(grad.dtype)
         if payload is DENSE_INT8:
             stats.dense_buckets += 1
         else:
             stats.sparse_buckets += 1
         return launch_sharded(self.higgs.comm, plan, density, payload, self.higgs.selector, (self.higgs_index, idx),
-                              rows, residual, grad, group, gather, async_op=async_op)
+                              rows, always, residual, grad, group, gather, async_op=async_op)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:

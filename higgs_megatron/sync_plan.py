@@ -113,7 +113,8 @@ class BucketPaths:
         if isinstance(plan, ShardedPlan):
             row = plan.row_bytes(density, self.dtype, payload)
             gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * row
-            return ring_factor("all_to_all", world) * world * row + gather
+            return (ring_factor("all_to_all", world) * world * row + gather
+                    + ring_factor("all_reduce", world) * plan.always_bytes(self.dtype))
         return ring_factor("all_gather", world) * plan.payload_bytes(density, self.dtype, payload)
 
     @property

@@ -18,6 +18,8 @@ def _exchange(plan: ShardedPlan, accs: list[torch.Tensor], density: float, paylo
     """The protocol of ``reduce.sharded_reduce`` for every rank of a group in one process, the
     collectives written out: (what each rank applies, what each rank keeps as residual)."""
     world, selector = plan.world, TopK()
+    accs = [acc.clone() for acc in accs]
+    always = torch.stack([plan.take_always(acc) for acc in accs]).sum(0)  # their all-reduce
     lefts = [torch.empty_like(acc) for acc in accs]
     rows = [plan.compress_rows(acc, density, selector, rank, payload=payload, left=left)
             for rank, (acc, left) in enumerate(zip(accs, lefts))]
@@ -39,7 +41,7 @@ def _exchange(plan: ShardedPlan, accs: list[torch.Tensor], density: float, paylo
             target.zero_()
             lo, hi = plan.bounds[rank]
             target.narrow(0, lo, hi - lo).copy_(sums[rank])
-        applied.append(target)
+        applied.append(target.index_copy_(0, plan.always_positions, always))
     return applied, lefts
 
 
@@ -57,7 +59,9 @@ def _accs(world: int, numel: int = 5003) -> list[torch.Tensor]:
 def test_shards_are_megatrons_and_rows_are_as_wide_as_the_widest_shard():
     plan = ShardedPlan(5003, SLOTS, 64, 4, CPU, "int4")
     assert plan.shard == 1251 and plan.bounds == [(0, 1251), (1251, 2502), (2502, 3753), (3753, 5003)]
-    assert [len(p.units) for p in plan.shards] == [2, 1, 1, 1] and plan.shards[0].n_always == 10
+    assert [len(p.units) for p in plan.shards] == [2, 1, 1, 1] and plan.always_positions.tolist() == [
+        *range(1000, 1010), 5000, 5001, 5002]  # the small ones by an all-reduce of their own, not in a row
+    assert all(p.n_always == 0 for p in plan.shards)
     rows = plan.compress_rows(_accs(4)[0], 0.25, TopK(), rank=1)
     assert rows.shape == (4, plan.row_bytes(0.25, torch.float32))
     assert not rows[1].any()  # this rank's own shard is never sent
@@ -65,7 +69,7 @@ def test_shards_are_megatrons_and_rows_are_as_wide_as_the_widest_shard():
     # still selected, ceil(0.25 x 5) = 2 of 5: only the small parameters (the bias, the last
     # one) are sent whole.
     many = ShardedPlan(5003, SLOTS, 64, 1024, CPU, "int4")
-    assert sum(p.n_always for p in many.shards) == 13 and 0.39 < many.k_selected(0.25) / (5003 - 13) <= 0.4
+    assert many.always_positions.numel() == 13 and 0.39 < many.k_selected(0.25) / (5003 - 13) <= 0.4
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -96,8 +100,8 @@ def test_applied_plus_residuals_is_what_the_ranks_accumulated(payload, density, 
     if gather:
         assert all(torch.equal(applied[0], other) for other in applied[1:])
         together = applied[0]
-    else:
-        together = torch.stack(applied).sum(0)
+    else:  # each rank's own shard of what it applied
+        together = torch.cat([applied[rank].narrow(0, lo, hi - lo) for rank, (lo, hi) in enumerate(plan.bounds)])
     gap = (together + torch.stack(lefts).sum(0) - torch.stack(accs).sum(0)).abs().max()
     assert float(gap) < 1e-5, gap
 

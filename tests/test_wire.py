@@ -35,10 +35,10 @@ def test_meter_takes_and_resets():
 
 # The compressed steps of each form: the all-gather of payloads ('sparse'); the all-to-all,
 # the scores' all-reduce and the all-gather of the sums ('agreed'); the all-to-all of each rank's
-# top-k per shard and the all-gather of the owners' ('sharded'); their dense steps in int8; with
-# the distributed optimizer's reduce-scatter on the dense steps. A step's count must match what
-# every rank's sockets were handed, within gloo's framing (under 200 bytes a message, measured
-# here; at most 2(P-1) messages a collective).
+# top-k per shard, the small parameters' all-reduce and the all-gather of the owners' ('sharded');
+# their dense steps in int8; with the distributed optimizer's reduce-scatter on the dense
+# steps. A step's count must match what every rank's sockets were handed, within gloo's
+# framing (under 200 bytes a message, measured here; at most 2(P-1) messages a collective).
 FORMS = {
     "sparse-int4": ["--higgs-sync", "sparse", "--higgs-payload", "int4", "--higgs-compression-ratio", "0.25"],
     "sparse-distopt": ["--higgs-sync", "sparse", "--higgs-compression-ratio", "0.05", "--use-distributed-optimizer"],
@@ -54,7 +54,7 @@ FORMS = {
 COMPRESSED_KINDS = {"sparse-int4": {"all_gather"}, "sparse-distopt": {"all_gather"},
                     "agreed-int4": {"all_to_all", "all_reduce", "all_gather"},
                     "agreed-distopt": {"all_to_all", "all_reduce"},
-                    "sharded-int4": {"all_to_all", "all_gather"}, "sharded-distopt": {"all_to_all"}}
+                    "sharded-int4": {"all_to_all", "all_reduce", "all_gather"}, "sharded-distopt": {"all_to_all", "all_reduce"}}
 
 
 # Every form at 2 and 4 ranks; at 8 (eight ranks on two cores) one of each kind of exchange.

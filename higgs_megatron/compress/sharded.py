@@ -9,7 +9,9 @@ top-k and still stays flat in P, as Ok-Topk's sparse reduce-scatter (Li and Hoef
 1. each rank selects, per parameter piece of shard j (a parameter cut at the shard bounds),
    its own top ``density`` of its accumulated gradient there, and sends that payload (the
    sparse form's format: a bitmap or offsets, and values) to shard j's owner, rank j, by an
-   all-to-all. A rank's own shard is not sent: it adds it whole to the sum, for no bytes;
+   all-to-all. A rank's own shard is not sent: it adds it whole to the sum, for no bytes.
+   Small parameters (under ``min_param_numel``) are summed whole by an all-reduce of their
+   own, in the gradient's dtype;
 2. the owner sums its shard: its own accumulated gradient plus every other rank's payload;
 3. with the distributed optimizer that sum is the shard the optimizer reads. Without it, the
    owner selects the top ``density`` of the sum (per piece again), keeps what it did not
@@ -48,9 +50,24 @@ class ShardedPlan:
         # A parameter is sent whole or selected by its own size, not by its piece's: a large
         # one cut small at a shard bound is still selected (at 1,024 ranks most pieces are small).
         large = [s for s in slots if s.numel >= min_param_numel]
-        small = [s for s in slots if s.numel < min_param_numel]
-        self.shards = [BucketPlan(hi - lo, _pieces(large, lo, hi), min_param_numel, device, self.payload,
-                                  always=_pieces(small, lo, hi)) for lo, hi in self.bounds]
+        small = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
+        self.shards = [BucketPlan(hi - lo, _pieces(large, lo, hi), min_param_numel, device, self.payload, always=[])
+                       for lo, hi in self.bounds]
+        # The small ones go by an all-reduce of their own, not in the rows: where a shard holds
+        # many of them (a run of layer norms) they would widen every row to its width.
+        self.always_positions = (torch.cat([torch.arange(a, b, dtype=torch.int64, device=device) for a, b in small])
+                                 if small else torch.empty(0, dtype=torch.int64, device=device))
+
+    def always_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the small parameters' all-reduce."""
+        return self.always_positions.numel() * dtype.itemsize
+
+    def take_always(self, acc: torch.Tensor) -> torch.Tensor:
+        """The small parameters' values of ``acc``, for their all-reduce; they are zeroed in
+        ``acc``, so the rows, the owner's sum and the residual hold none of them."""
+        always = acc.index_select(0, self.always_positions)
+        acc.index_fill_(0, self.always_positions, 0)
+        return always
 
     def row_bytes(self, density: float, dtype: torch.dtype, payload: Payload | None = None) -> int:
         """Bytes of one row (one shard's payload, padded to the widest shard's) at ``density``."""
@@ -113,7 +130,8 @@ class ShardedPlan:
     def add_gathered(self, target: torch.Tensor, gathered: torch.Tensor, density: float,
                      payload: Payload | None = None) -> None:
         """``target`` (the bucket) = every owner's row of ``gathered`` (uint8 [world, row
-        bytes]) decoded into its shard: the same bytes, so the same gradient, on every rank."""
+        bytes]) decoded into its shard: the same bytes, so the same gradient, on every rank.
+        The small parameters' sums are the caller's to put in."""
         payload = payload or self.payload
         target.zero_()
         for owner, ((lo, hi), plan) in enumerate(zip(self.bounds, self.shards)):

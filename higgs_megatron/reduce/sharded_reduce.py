@@ -4,7 +4,8 @@ owners' top-k of their sums gathered back (``compress.sharded`` holds the tensor
 Per bucket and step, every rank makes the same calls with the same sizes:
 
 1. ``launch_sharded``: an all-to-all sends row j (this rank's payload for shard j) to rank j,
-   asynchronously. Wire per rank: (P-1)/P of the P rows, each about 1/P of a flat payload.
+   asynchronously; beside it, an all-reduce of the small parameters' values. Wire per rank:
+   (P-1)/P of the P rows, each about 1/P of a flat payload, and 2(P-1)/P of the small ones.
 2. ``finish`` (after ``wait``): the owner sums its shard in fp32, in rank order: its own
    accumulated gradient there (never sent) and the P-1 rows it received. With the
    distributed optimizer that sum is the shard of the bucket the optimizer reads, written
@@ -12,7 +13,7 @@ Per bucket and step, every rank makes the same calls with the same sizes:
    sum, keeps the rest in its own residual (so what it drops reaches a later step: error
    feedback on the sum), and an all-gather brings every owner's row to every rank, which
    decodes them into their shards: the same bytes, so the same gradient, on every rank. Wire:
-   (P-1) rows of about 1/P of a flat payload.
+   (P-1) rows of about 1/P of a flat payload. The small parameters' sums go in last.
 
 Stream order (CUDA): the rows are made on the current stream before the launch, and NCCL's
 stream waits for it; ``finish`` runs after ``wait`` on the current stream, as the sparse path's
@@ -50,16 +51,21 @@ class PendingSharded:
     selector: Selector
     key: object
     received: torch.Tensor  # uint8 [world, row bytes]: row p is peer p's payload for this rank's shard
+    always: torch.Tensor  # the small parameters' values, being summed
     work: object
     residual: ResidualBuffer | None
     target: torch.Tensor
     gather: bool  # False: only this rank's shard of ``target`` is wanted (the distributed optimizer's)
+    always_work: object
 
     def wait(self, waiter=None) -> None:
-        """Wait for the all-to-all; ``waiter(work)`` replaces ``work.wait()``."""
-        if self.work is not None:
-            (waiter or _plain_wait)(self.work)
-            self.work = None
+        """Wait for the all-to-all and the small parameters' all-reduce; ``waiter(work)``
+        replaces ``work.wait()``."""
+        for name in ("work", "always_work"):
+            work = getattr(self, name)
+            if work is not None:
+                (waiter or _plain_wait)(work)
+                setattr(self, name, None)
 
     def give_up(self, waiter) -> None:
         """The step's sync was given up: the all-gather every rank issues still goes out."""
@@ -75,21 +81,27 @@ class PendingSharded:
                                     self.payload)
         if not self.gather:
             self.target.narrow(0, lo, hi - lo).copy_(total)
-            return
-        row = self.plan.compress_sum(rank, total, self.density, self.selector, self.key, self.payload)
-        if self.residual is not None:  # what the owner did not send of the sum
-            self.residual.staged.narrow(0, lo, hi - lo).copy_(total)
-        gathered = torch.empty(self.plan.world * row.numel(), dtype=torch.uint8, device=row.device)
-        (waiter or _plain_wait)(self.comm.all_gather(gathered, row, self.group, async_op=True))
-        self.plan.add_gathered(self.target, gathered.view(self.plan.world, -1), self.density, self.payload)
+        else:
+            row = self.plan.compress_sum(rank, total, self.density, self.selector, self.key, self.payload)
+            if self.residual is not None:  # what the owner did not send of the sum
+                self.residual.staged.narrow(0, lo, hi - lo).copy_(total)
+            gathered = torch.empty(self.plan.world * row.numel(), dtype=torch.uint8, device=row.device)
+            (waiter or _plain_wait)(self.comm.all_gather(gathered, row, self.group, async_op=True))
+            self.plan.add_gathered(self.target, gathered.view(self.plan.world, -1), self.density, self.payload)
+        self.target.index_copy_(0, self.plan.always_positions, self.always)
 
 
 def launch_sharded(comm: Collectives, plan: ShardedPlan, density: float, payload: Payload, selector: Selector,
-                   key: object, rows: torch.Tensor, residual: ResidualBuffer | None, target: torch.Tensor,
-                   group: dist.ProcessGroup, gather: bool, async_op: bool = True) -> PendingSharded:
-    """Start step 1 for ``rows`` (``ShardedPlan.compress_rows``, row j for rank j); the caller
-    later calls ``finish()`` on what this returns."""
+                   key: object, rows: torch.Tensor, always: torch.Tensor, residual: ResidualBuffer | None,
+                   target: torch.Tensor, group: dist.ProcessGroup, gather: bool, async_op: bool = True
+                   ) -> PendingSharded:
+    """Start step 1 for ``rows`` (``ShardedPlan.compress_rows``, row j for rank j) and the small
+    parameters' values ``always`` (summed in place); the caller later calls ``finish()`` on
+    what this returns."""
     received = torch.empty_like(rows)
     work = comm.all_to_all(received, rows, group, async_op=async_op)
-    return PendingSharded(comm, group, plan, density, payload, selector, key, received,
-                          work if async_op else None, residual, target, gather)
+    # (none where the bucket has no small parameter: every rank's plan is the same)
+    always_work = comm.all_reduce(always, group, async_op=async_op) if always.numel() else None
+    return PendingSharded(comm, group, plan, density, payload, selector, key, received, always,
+                          work if async_op else None, residual, target, gather,
+                          always_work if async_op else None)
