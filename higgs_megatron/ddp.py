@@ -13,10 +13,13 @@ handle we leave, whose ``wait`` also decompresses). Object identity, the optimiz
 Per bucket group, per step (once, on the accumulated gradient, never per micro-batch):
 
 1. Megatron's scaling (``gradient_scaling_factor``) and NaN checks, as before.
-2. For each bucket, a path: *dense* (Megatron's own all-reduce, or reduce-scatter with
-   the distributed optimizer), *sparse* (``compress.compressor`` -> ``reduce.sparse_allreduce``)
-   or *hierarchical* (``reduce.hierarchical``); with ``--higgs-dense-bf16``, a compressed
-   bucket's dense steps reduce a bf16 copy (``reduce.cast_reduce``). Under ``sync="auto"``
+2. For each bucket, a path, each launched by a method of its own (``_launch_<path>``):
+   *dense* (Megatron's own all-reduce, or reduce-scatter with the distributed optimizer; with
+   ``--higgs-dense-bf16``, a compressed bucket's dense steps reduce a bf16 copy,
+   ``reduce.cast_reduce``), *sparse* (``compress.compressor`` -> ``reduce.sparse_allreduce``),
+   *agreed* (``compress.agreed`` -> ``reduce.agreed_reduce``), *sharded* (``compress.sharded``
+   -> ``reduce.sharded_reduce``) or *hierarchical* (``reduce.sparse_allreduce``); with
+   ``--higgs-dense-int8`` a compressed bucket's dense steps go through its form at density 1. Under ``sync="auto"``
    the path is the one ``cost_model`` predicts fastest from costs measured at construction
    (``reduce.link_probe``) and agreed by all DP ranks. The path depends only on the config, those agreed costs, the
    bucket and the step's density, so every DP peer issues the same collectives in the same
@@ -240,6 +243,39 @@ class _GroupHandle:
         self.on_done()
 
 
+@dataclass
+class _Launch:
+    """One ``start_grad_sync``: what every path's launch reads, and what it leaves for the handle."""
+
+    stats: SyncStats
+    async_op: bool
+    reduce_op: Any
+    force_all_reduce: bool
+    sums: list[torch.Tensor] | None  # the non-finite check's, one per bucket (or slice) sent
+    dense_works: list[Any] = field(default_factory=list)  # Megatron's collectives' works
+    pending: list[Any] = field(default_factory=list)  # the other paths' exchanges in flight
+
+    def add(self, pending: Any) -> None:
+        """A path's exchange in flight (None: nothing to finish, or its launch was skipped)."""
+        if pending is not None:
+            self.pending.append(pending)
+
+    def check(self, sent: torch.Tensor) -> None:
+        """The non-finite check, when it is on: one summing pass over what a bucket sends (the
+        gradient plus its residual), before the collective reads it. A NaN or inf anywhere makes
+        the sum non-finite (a finite sum that overflows only skips a step needlessly); far
+        cheaper than ``torch.isfinite(grad).all()``. It stays a device flag, read once per step
+        by the optimizer wrapper's decision: a read here would stall backward's launch queue."""
+        if self.sums is not None:
+            self.sums.append(sent.sum(dtype=torch.float32))
+
+    def count(self, dense: bool) -> None:
+        if dense:
+            self.stats.dense_buckets += 1
+        else:
+            self.stats.sparse_buckets += 1
+
+
 def _slot_in_bucket(param: torch.nn.Parameter, grad_data: torch.Tensor) -> ParamSlot:
     """Where ``param.main_grad`` sits in its bucket. Not ``bucket.param_to_index``: that
     counts params end to end, while the buffer pads each param's start for the distributed
@@ -347,98 +383,26 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         for bucket in self.buckets:
             if bucket.gradient_scaling_factor != 1.0:
                 bucket.grad_data *= bucket.gradient_scaling_factor
-        group = self._communication_group
         overlap = self.ddp_config.overlap_grad_reduce
-        # Bounded waits need a handle: every collective is launched asynchronously then.
-        async_op = overlap or shared.sync_timeout is not None
         average = self.ddp_config.average_in_collective
-        reduce_op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         density = shared.config.density(self.higgs_steps)
         dense = force_all_reduce or shared.config.dense_stage(self.higgs_steps)
-        stats = SyncStats(density=density if shared.selector is not None else 1.0)
-        # The non-finite check: one summing pass per bucket over what it sends (the gradient plus
-        # its residual), before the collective reads it. A NaN or inf anywhere makes the sum
-        # non-finite (a finite sum that overflows only skips a step needlessly); far cheaper than
-        # torch.isfinite(grad).all(). It stays a device flag, read once per step by the optimizer
-        # wrapper's decision: a read here would stall backward's launch queue.
-        sums: list[torch.Tensor] | None = [] if shared.check_nonfinite else None
-        dense_works, sparse = [], []
+        launch = _Launch(stats=SyncStats(density=density if shared.selector is not None else 1.0),
+                         # bounded waits need a handle: every collective is launched asynchronously then
+                         async_op=overlap or shared.sync_timeout is not None,
+                         reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM,
+                         force_all_reduce=bool(force_all_reduce), sums=[] if shared.check_nonfinite else None)
         for idx, bucket in enumerate(self.buckets):
-            grad = bucket.grad_data
-            residual = self.higgs_residuals[idx]
-            path = "dense" if dense else path_at(self.higgs_buckets[idx], density, shared.costs)
-            step_density, step_payload = density, None
-            if path == "dense" and self.higgs_buckets[idx].dense_in_int8 and not force_all_reduce:
-                # a dense step as every coordinate in int8 (``--higgs-dense-int8``), through the flat form
-                path, step_density, step_payload = self.higgs_buckets[idx].form, 1.0, DENSE_INT8
-            stats.dense_bytes += grad.numel() * grad.element_size()
-            stats.dense_wire_bytes += megatron_dense_wire(self, grad)
-            if path in ("agreed", "sharded"):
-                launcher = self._launch_agreed if path == "agreed" else self._launch_sharded
-                pending = shared.launch(lambda: launcher(idx, grad, step_density, step_payload, stats, async_op,
-                                                         sums))
-                if pending is not None:
-                    sparse.append(pending)
-                continue
-            if path == "hierarchical":
-                if sums is not None:
-                    sums.append(grad.sum(dtype=torch.float32))
-                pending = shared.launch(lambda: self._launch_hierarchical(idx, grad, density, stats, async_op))
-                if pending is not None:
-                    sparse.append(pending)
-                    if sums is not None:  # this rank's slice: the node's sum plus the residual
-                        sums.append(pending.piece.sum(dtype=torch.float32))
-                continue
-            if path == "dense":
-                # bf16 on the wire: the residual holds the rounding (see reduce.cast_reduce)
-                cast = self.higgs_buckets[idx].dense_in_bf16 and residual is not None and not force_all_reduce
-                wire = None
-                if residual is not None:  # a hierarchical form's residual covers this rank's slice
-                    lo, hi = self.higgs_buckets[idx].slice or (0, grad.numel())
-                    with shared.compress_timer.measure(grad.device):
-                        residual.accumulate(grad.narrow(0, lo, hi - lo))
-                        if cast:
-                            wire = grad.to(torch.bfloat16)
-                            residual.stage_rounded(grad, wire)
-                        else:
-                            residual.stage_all_sent()
-                stats.dense_buckets += 1
-                if sums is not None:
-                    sums.append(grad.sum(dtype=torch.float32))
-                if wire is not None:
-                    stats.bytes_sent += wire.numel() * wire.element_size()
-                    shard = (self.intra_distributed_optimizer_instance_rank
-                             if self.ddp_config.use_distributed_optimizer else None)
-                    pending = shared.launch(lambda: launch_cast_reduce(
-                        shared.comm, grad, wire, group, shard, async_op, bounded=shared.sync_timeout is not None))
-                    if pending is not None:
-                        sparse.append(pending)
-                    continue
-                stats.bytes_sent += grad.numel() * grad.element_size()
-                dense_works.append(shared.launch(lambda: self._launch_dense(idx, grad, reduce_op, group, async_op,
-                                                                          force_all_reduce)))
-                continue
-            plan = self.higgs_plans[idx]
-            with shared.compress_timer.measure(grad.device):
-                sparse_grad = compress_with_feedback(grad, plan, step_density, shared.selector, residual,
-                                                     key=(self.higgs_index, idx), payload=step_payload)
-            stats.bytes_sent += plan.payload_bytes(step_density, grad.dtype, step_payload)
-            if step_payload is DENSE_INT8:
-                stats.dense_buckets += 1
-            else:
-                stats.sparse_buckets += 1
-            if sums is not None:
-                sums.append(grad.sum(dtype=torch.float32))
-            layout = plan.layout(step_density)
-            pending = shared.launch(lambda: launch_sparse_allreduce(
-                shared.comm, sparse_grad, step_payload or plan.payload, layout, grad, group, async_op=async_op))
-            if pending is not None:
-                sparse.append(pending)
-        if sums is not None:
-            self.higgs_nonfinite = torch.isfinite(torch.stack(sums)).all().logical_not()
+            path, step_density, payload = self._path_of(idx, density, dense, launch.force_all_reduce)
+            launch.stats.dense_bytes += bucket.grad_data.numel() * bucket.grad_data.element_size()
+            launch.stats.dense_wire_bytes += megatron_dense_wire(self, bucket.grad_data)
+            launcher = getattr(self, f"_launch_{path}")  # one method per path: _launch_dense, _launch_sparse...
+            launch.add(shared.launch(lambda: launcher(launch, idx, bucket.grad_data, step_density, payload)))
+        if launch.sums is not None:
+            self.higgs_nonfinite = torch.isfinite(torch.stack(launch.sums)).all().logical_not()
         self.higgs_steps += 1
-        shared.stats.add(stats)
-        handle = _GroupHandle(dense_works, sparse, shared.average_over if average else 1,
+        shared.stats.add(launch.stats)
+        handle = _GroupHandle(launch.dense_works, launch.pending, shared.average_over if average else 1,
                               on_done=self._on_sync_done, shared=shared)
         if overlap:
             self.grad_reduce_handle = handle
@@ -446,11 +410,65 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             handle.wait()
             self.grad_reduce_handle = None
 
-    def _launch_hierarchical(self, idx: int, grad: torch.Tensor, density: float, stats: SyncStats,
-                             async_op: bool) -> PendingHierarchical:
+    def _path_of(self, idx: int, density: float, dense: bool, force_all_reduce: bool
+                 ) -> tuple[str, float, Payload | None]:
+        """Bucket ``idx``'s path this step (``sync_plan.path_at``), with the density and payload
+        it takes: a dense step under ``--higgs-dense-int8`` goes through the bucket's form, every
+        coordinate in int8 (density 1, ``DENSE_INT8``)."""
+        paths = self.higgs_buckets[idx]
+        path = "dense" if dense else path_at(paths, density, self.higgs.costs)
+        if path == "dense" and paths.dense_in_int8 and not force_all_reduce:
+            return paths.form, 1.0, DENSE_INT8
+        return path, density, None
+
+    def _launch_dense(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
+                      payload: Payload | None) -> PendingCastReduce | None:
+        """A dense step: Megatron's own collective (its work waited for as Megatron's), or with
+        ``--higgs-dense-bf16`` a bf16 copy's, the residual keeping the rounding
+        (``reduce.cast_reduce``)."""
+        shared, residual, paths = self.higgs, self.higgs_residuals[idx], self.higgs_buckets[idx]
+        cast = paths.dense_in_bf16 and residual is not None and not launch.force_all_reduce
+        wire = None
+        if residual is not None:  # a hierarchical form's residual covers this rank's slice
+            lo, hi = paths.slice or (0, grad.numel())
+            with shared.compress_timer.measure(grad.device):
+                residual.accumulate(grad.narrow(0, lo, hi - lo))
+                if cast:
+                    wire = grad.to(torch.bfloat16)
+                    residual.stage_rounded(grad, wire)
+                else:
+                    residual.stage_all_sent()
+        launch.count(dense=True)
+        launch.check(grad)
+        if wire is None:
+            launch.stats.bytes_sent += grad.numel() * grad.element_size()
+            launch.dense_works.append(self._megatron_collective(idx, grad, launch))
+            return None
+        launch.stats.bytes_sent += wire.numel() * wire.element_size()
+        shard = self.intra_distributed_optimizer_instance_rank if self.ddp_config.use_distributed_optimizer else None
+        return launch_cast_reduce(shared.comm, grad, wire, self._communication_group, shard, launch.async_op,
+                                  bounded=shared.sync_timeout is not None)
+
+    def _launch_sparse(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
+                       payload: Payload | None) -> PendingSparseReduce:
+        """Each rank's own top-k (``payload`` DENSE_INT8: every coordinate in int8) with error
+        feedback, all-gathered (``reduce.sparse_allreduce``)."""
+        shared, plan = self.higgs, self.higgs_plans[idx]
+        with shared.compress_timer.measure(grad.device):
+            sparse_grad = compress_with_feedback(grad, plan, density, shared.selector, self.higgs_residuals[idx],
+                                                 key=(self.higgs_index, idx), payload=payload)
+        launch.stats.bytes_sent += plan.payload_bytes(density, grad.dtype, payload)
+        launch.count(dense=payload is DENSE_INT8)
+        launch.check(grad)
+        return launch_sparse_allreduce(shared.comm, sparse_grad, payload or plan.payload, plan.layout(density), grad,
+                                       self._communication_group, async_op=launch.async_op)
+
+    def _launch_hierarchical(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
+                             payload: Payload | None) -> PendingHierarchical:
         """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes
         (after a given-up reduce-scatter too: see ``_GroupHandle``)."""
         nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
+        launch.check(grad)
         work, piece = node_reduce_scatter(self.higgs.comm, grad, nodes.intra, self.higgs.wait,
                                           bounded=self.higgs.sync_timeout is not None)
         with self.higgs.compress_timer.measure(grad.device):
@@ -458,24 +476,23 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                                                  key=(self.higgs_index, idx))
         # Bytes handed to collectives: the node's reduce-scatter (and all-gather), and the payload.
         node_bytes = (1 if nodes.instances else 2) * (work.numel() - piece.numel()) * work.element_size()
-        stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
-        stats.sparse_buckets += 1
-        return launch_hierarchical(self.higgs.comm, sparse_grad, plan.payload, plan.layout(density), work, piece, grad, nodes.intra,
-                                   nodes.inter, async_op, gather=not nodes.instances)
+        launch.stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
+        launch.count(dense=False)
+        launch.check(piece)  # this rank's slice: the node's sum plus the residual
+        return launch_hierarchical(self.higgs.comm, sparse_grad, plan.payload, plan.layout(density), work, piece, grad,
+                                   nodes.intra, nodes.inter, launch.async_op, gather=not nodes.instances)
 
-    def _launch_agreed(self, idx: int, grad: torch.Tensor, density: float, payload: Payload | None,
-                       stats: SyncStats, async_op: bool, sums: list[torch.Tensor] | None) -> PendingAgreed:
+    def _launch_agreed(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
+                       payload: Payload | None) -> PendingAgreed:
         """Error feedback, the agreed selection and this rank's rows (``compress.agreed``), then
-        the all-to-all and the scores' all-reduce (``reduce.agreed_reduce``). ``sums`` (the
-        non-finite check's) gets what the bucket sends summed."""
+        the all-to-all and the scores' all-reduce (``reduce.agreed_reduce``)."""
         plan, residual, scores = self.higgs_plans[idx], self.higgs_residuals[idx], self.higgs_scores[idx]
         value_format = payload.name if payload is not None else plan.value_format
         layout = plan.layout(density)
         with self.higgs.compress_timer.measure(grad.device):
             if residual is not None:
                 residual.accumulate(grad)
-            if sums is not None:
-                sums.append(grad.sum(dtype=torch.float32))
+            launch.check(grad)
             scores.commit()
             positions, real = plan.select(scores.committed, density)
             values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
@@ -491,50 +508,43 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                     expected.sub_(residual.committed)
             local_scores = plan.scores(expected)
         gather = not self.ddp_config.use_distributed_optimizer
-        stats.bytes_sent += (rows.numel() + plan.score_bytes() + plan.always_bytes(grad.dtype)
-                             + (rows.shape[1] if gather else 0))
-        if payload is DENSE_INT8:
-            stats.dense_buckets += 1
-        else:
-            stats.sparse_buckets += 1
+        launch.stats.bytes_sent += (rows.numel() + plan.score_bytes() + plan.always_bytes(grad.dtype)
+                                    + (rows.shape[1] if gather else 0))
+        launch.count(dense=payload is DENSE_INT8)
         return launch_agreed(self.higgs.comm, plan, density, value_format, positions, rows, always, local_scores,
-                             scores, residual, grad, self._communication_group, gather, async_op=async_op)
+                             scores, residual, grad, self._communication_group, gather, async_op=launch.async_op)
 
-    def _launch_sharded(self, idx: int, grad: torch.Tensor, density: float, payload: Payload | None,
-                        stats: SyncStats, async_op: bool, sums: list[torch.Tensor] | None) -> PendingSharded:
+    def _launch_sharded(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
+                        payload: Payload | None) -> PendingSharded:
         """Error feedback and this rank's rows, each shard's own top-k (``compress.sharded``),
-        then the all-to-all (``reduce.sharded_reduce``); ``sums`` as ``_launch_agreed``'s."""
+        then the all-to-all and the small parameters' all-reduce (``reduce.sharded_reduce``)."""
         plan, residual = self.higgs_plans[idx], self.higgs_residuals[idx]
         payload = payload or plan.payload
         group = self._communication_group
         with self.higgs.compress_timer.measure(grad.device):
             if residual is not None:
                 residual.accumulate(grad)
-            if sums is not None:
-                sums.append(grad.sum(dtype=torch.float32))
+            launch.check(grad)  # before the small parameters are taken out
             always = plan.take_always(grad)
             rows = plan.compress_rows(grad, density, self.higgs.selector, dist.get_rank(group),
                                       key=(self.higgs_index, idx), payload=payload,
                                       left=residual.staging() if residual is not None else None)
         gather = not self.ddp_config.use_distributed_optimizer
-        stats.bytes_sent += rows.numel() + (rows.shape[1] if gather else 0) + plan.always_bytes(grad.dtype)
-        if payload is DENSE_INT8:
-            stats.dense_buckets += 1
-        else:
-            stats.sparse_buckets += 1
+        launch.stats.bytes_sent += rows.numel() + (rows.shape[1] if gather else 0) + plan.always_bytes(grad.dtype)
+        launch.count(dense=payload is DENSE_INT8)
         return launch_sharded(self.higgs.comm, plan, density, payload, self.higgs.selector, (self.higgs_index, idx),
-                              rows, always, residual, grad, group, gather, async_op=async_op)
+                              rows, always, residual, grad, group, gather, async_op=launch.async_op)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:
             self.higgs.trace.append(("finish", self.higgs_index))
 
-    def _launch_dense(self, idx: int, grad: torch.Tensor, reduce_op, group, async_op: bool,
-                      force_all_reduce: bool | None):
+    def _megatron_collective(self, idx: int, grad: torch.Tensor, launch: "_Launch"):
         """Megatron's own collectives for one bucket: reduce-scatter into this rank's shard with
         the distributed optimizer, else all-reduce; with several optimizer instances, then that
         shard all-reduced across the instances, once the reduce-scatter is done."""
-        if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
+        group, reduce_op, async_op = self._communication_group, launch.reduce_op, launch.async_op
+        if self.ddp_config.use_distributed_optimizer and not launch.force_all_reduce:
             if self.cached_grad_buffer_shard_list[idx] is None:
                 self.cached_grad_buffer_shard_list[idx] = shard_buffer(
                     grad, self.intra_distributed_optimizer_instance_size)
