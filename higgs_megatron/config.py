@@ -132,7 +132,8 @@ class HiggsConfig:
     the top-k of the sum (``compress.sharded``: they do not either); 'dense' never compresses;
     'hierarchical' reduces densely inside each node and compresses only across nodes; 'auto' takes
     whichever of dense, sparse and hierarchical ``cost_model`` predicts fastest, from link costs
-    measured at start-up (not 'agreed': at the same density it has lost more loss). Under
+    measured at start-up (not 'agreed' nor 'sharded': the cost model does not price them, and at
+    the same density they have lost more loss than 'sparse' at DP=2). Under
     every mode a step whose form would put no fewer bytes on the link than dense goes dense."""
 
     link_gbps: float | None = field(default=None, metadata=_flag(
