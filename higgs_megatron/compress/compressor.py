@@ -73,18 +73,12 @@ class BucketPlan:
     """The selection units of one bucket (see module docstring)."""
 
     def __init__(self, numel: int, slots: list[ParamSlot], min_param_numel: int, device: torch.device,
-                 payload: Payload | str = "wide", always: list[ParamSlot] | None = None) -> None:
-        """``always``, if given: the always-sent slots, and every one of ``slots`` is a unit
-        (``min_param_numel`` is not applied: the caller cut them, ``compress.sharded``)."""
+                 payload: Payload | str = "wide") -> None:
         self.numel = numel
         self.device = device
         self.payload = payload_format(payload) if isinstance(payload, str) else payload
-        if always is not None:
-            slots, min_param_numel = slots + always, 0
-        small = always if always is not None else [s for s in slots if s.numel < min_param_numel]
-        always = sorted((s.start, s.end) for s in small)
-        self.units = sorted((s for s in slots if s.numel >= min_param_numel and s not in small),
-                            key=lambda s: s.start)
+        always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
+        self.units = sorted((s for s in slots if s.numel >= min_param_numel), key=lambda s: s.start)
         self.units_numel = sum(unit.numel for unit in self.units)
         self.always_positions = (
             torch.cat([torch.arange(s, e, dtype=torch.long, device=device) for s, e in always])

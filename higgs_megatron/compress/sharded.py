@@ -51,8 +51,9 @@ class ShardedPlan:
         # one cut small at a shard bound is still selected (at 1,024 ranks most pieces are small).
         large = [s for s in slots if s.numel >= min_param_numel]
         small = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
-        self.shards = [BucketPlan(hi - lo, _pieces(large, lo, hi), min_param_numel, device, self.payload, always=[])
+        self.shards = [BucketPlan(hi - lo, _pieces(large, lo, hi), 0, device, self.payload)  # every piece a unit
                        for lo, hi in self.bounds]
+        self._row_bytes: dict[tuple[float, torch.dtype, Payload | None], int] = {}
         # The small ones go by an all-reduce of their own, not in the rows: where a shard holds
         # many of them (a run of layer norms) they would widen every row to its width.
         self.always_positions = (torch.cat([torch.arange(a, b, dtype=torch.int64, device=device) for a, b in small])
@@ -70,8 +71,12 @@ class ShardedPlan:
         return always
 
     def row_bytes(self, density: float, dtype: torch.dtype, payload: Payload | None = None) -> int:
-        """Bytes of one row (one shard's payload, padded to the widest shard's) at ``density``."""
-        return max(plan.payload_bytes(density, dtype, payload) for plan in self.shards)
+        """Bytes of one row (one shard's payload, padded to the widest shard's) at ``density``;
+        kept, as it is asked for several times a step and looks at every shard."""
+        key = (density, dtype, payload)
+        if key not in self._row_bytes:
+            self._row_bytes[key] = max(plan.payload_bytes(density, dtype, payload) for plan in self.shards)
+        return self._row_bytes[key]
 
     def k_selected(self, density: float) -> int:
         """Coordinates one rank selects over the whole bucket at ``density``."""

@@ -32,11 +32,7 @@ import torch.distributed as dist
 
 from ..compress.agreed import AgreedPlan, ScoreBuffer, pack_rows, unpack_rows
 from ..compress.compressor import ResidualBuffer
-from .wire import Collectives
-
-
-def _plain_wait(work) -> None:
-    work.wait()
+from .wire import Collectives, plain_wait, wait_works
 
 
 @dataclass
@@ -62,11 +58,7 @@ class PendingAgreed:
 
     def wait(self, waiter=None) -> None:
         """Wait for the exchange and the scores; ``waiter(work)`` replaces ``work.wait()``."""
-        for name in ("work", "score_work", "always_work"):
-            work = getattr(self, name)
-            if work is not None:
-                (waiter or _plain_wait)(work)
-                setattr(self, name, None)
+        wait_works(self, ("work", "score_work", "always_work"), waiter)
 
     def give_up(self, waiter) -> None:
         """The step's sync was given up: the all-gather every rank issues still goes out."""
@@ -92,7 +84,7 @@ class PendingAgreed:
         if self.residual is not None and fmt != "wide":
             self.residual.add_staged(mine, sums.view(-1).to(dtype) - rounded.view(-1).to(dtype))
         gathered = torch.empty_like(self.received)
-        (waiter or _plain_wait)(self.comm.all_gather(gathered, wire, self.group, async_op=True))
+        (waiter or plain_wait)(self.comm.all_gather(gathered, wire, self.group, async_op=True))
         values = unpack_rows(gathered, fmt, layout.width, layout.span, dtype)
         self.target.zero_()
         self.target.index_add_(0, self.positions.view(-1), values.view(-1))

@@ -32,11 +32,7 @@ from ..compress.compressor import ResidualBuffer
 from ..compress.payload import Payload
 from ..compress.selection import Selector
 from ..compress.sharded import ShardedPlan
-from .wire import Collectives
-
-
-def _plain_wait(work) -> None:
-    work.wait()
+from .wire import Collectives, plain_wait, wait_works
 
 
 @dataclass
@@ -61,11 +57,7 @@ class PendingSharded:
     def wait(self, waiter=None) -> None:
         """Wait for the all-to-all and the small parameters' all-reduce; ``waiter(work)``
         replaces ``work.wait()``."""
-        for name in ("work", "always_work"):
-            work = getattr(self, name)
-            if work is not None:
-                (waiter or _plain_wait)(work)
-                setattr(self, name, None)
+        wait_works(self, ("work", "always_work"), waiter)
 
     def give_up(self, waiter) -> None:
         """The step's sync was given up: the all-gather every rank issues still goes out."""
@@ -86,7 +78,7 @@ class PendingSharded:
             if self.residual is not None:  # what the owner did not send of the sum
                 self.residual.staged.narrow(0, lo, hi - lo).copy_(total)
             gathered = torch.empty(self.plan.world * row.numel(), dtype=torch.uint8, device=row.device)
-            (waiter or _plain_wait)(self.comm.all_gather(gathered, row, self.group, async_op=True))
+            (waiter or plain_wait)(self.comm.all_gather(gathered, row, self.group, async_op=True))
             self.plan.add_gathered(self.target, gathered.view(self.plan.world, -1), self.density, self.payload)
         self.target.index_copy_(0, self.plan.always_positions, self.always)
 

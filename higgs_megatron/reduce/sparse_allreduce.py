@@ -41,11 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..compress.payload import Payload, SlotLayout, SparseGrad
-from .wire import Collectives
-
-
-def _plain_wait(work) -> None:
-    work.wait()
+from .wire import Collectives, plain_wait, wait_works
 
 
 @dataclass
@@ -61,9 +57,7 @@ class PendingSparseReduce:
 
     def wait(self, waiter=None) -> None:
         """Wait for the gather; ``waiter(work)`` replaces ``work.wait()`` (e.g. with a timeout)."""
-        if self.work is not None:
-            (waiter or _plain_wait)(self.work)
-            self.work = None
+        wait_works(self, ("work",), waiter)
 
     def give_up(self, waiter) -> None:
         """The step's sync was given up: nothing more goes out (the gather, its one collective,
@@ -123,7 +117,7 @@ def node_reduce_scatter(comm: Collectives, grad: torch.Tensor, intra: dist.Proce
     work = grad if size * ranks == grad.numel() else torch.cat(
         [grad, torch.zeros(size * ranks - grad.numel(), dtype=grad.dtype, device=grad.device)])
     piece = work.view(ranks, size).select(0, dist.get_rank(intra))
-    (waiter or _plain_wait)(reduce_scatter(comm, piece, work, intra, bounded=bounded))
+    (waiter or plain_wait)(reduce_scatter(comm, piece, work, intra, bounded=bounded))
     return work, piece
 
 
@@ -147,7 +141,7 @@ class PendingHierarchical:
     def finish(self, waiter=None) -> None:
         self.sparse.finish(waiter)  # the slice now holds the sum over all nodes
         if self.gather:
-            (waiter or _plain_wait)(self.comm.all_gather(self.work, self.piece, self.intra, async_op=True))
+            (waiter or plain_wait)(self.comm.all_gather(self.work, self.piece, self.intra, async_op=True))
         if self.work.data_ptr() == self.target.data_ptr():
             return
         if self.gather:

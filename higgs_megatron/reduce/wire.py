@@ -108,6 +108,21 @@ class Collectives:
         return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
+def plain_wait(work) -> None:
+    """What a pending exchange's ``waiter`` is when none is given: ``work.wait()``."""
+    work.wait()
+
+
+def wait_works(holder: object, names: tuple[str, ...], waiter: Callable | None = None) -> None:
+    """Wait for each work ``holder`` keeps in the attributes ``names`` (None: already waited
+    for), through ``waiter(work)`` (e.g. with a timeout), and clear it."""
+    for name in names:
+        work = getattr(holder, name)
+        if work is not None:
+            (waiter or plain_wait)(work)
+            setattr(holder, name, None)
+
+
 def dense_wire_bytes(bucket_bytes: int, world: int, distributed_optimizer: bool, instances: int = 1) -> float:
     """What Megatron's own dense reduction of one bucket puts on one rank's link: an all-reduce
     over the DP group, or a reduce-scatter with the distributed optimizer; with several
