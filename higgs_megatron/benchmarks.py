@@ -61,15 +61,21 @@ def lean_flags(train_iters: int, density: float = 0.25, payload: str = "int4", d
 
 
 def run_pretrain(flags: Sequence[str], log_json: Path, nproc: int, quiet: bool = False,
-                 script: str = "examples/pretrain_gpt.py") -> None:
-    """One training job of ``script`` (the pretrain script, or a peer taking its flags); raises
-    CalledProcessError if it fails."""
+                 script: str = "examples/pretrain_gpt.py", virtual_dp: int | None = None) -> None:
+    """One training job of ``script`` (the pretrain script, or a peer taking its flags) on
+    ``nproc`` ranks, or with ``virtual_dp`` the pretrain script over that many virtual ranks in
+    one process (``scripts/virtual_dp.py``); raises CalledProcessError if it fails."""
     log_json.parent.mkdir(parents=True, exist_ok=True)
     log_json.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / script), *flags, "--log-json", str(log_json)]
+    if virtual_dp is None:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(REPO / script)]
+        shown = f"torchrun --nproc_per_node {nproc} {script}"
+    else:
+        launcher = [str(REPO / "scripts" / "virtual_dp.py"), "--dp", str(virtual_dp), "--"]
+        shown = f"python scripts/virtual_dp.py --dp {virtual_dp} --"
+    command = [sys.executable, *launcher, *flags, "--log-json", str(log_json)]
     setup_logging()
-    log.info(f"$ torchrun --nproc_per_node {nproc} {script} {' '.join(flags)}")
+    log.info(f"$ {shown} {' '.join(flags)}")
     subprocess.run(command, check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.DEVNULL if quiet else None)
 

@@ -526,7 +526,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 residual.accumulate(grad)
             launch.check(grad)  # before the small parameters are taken out
             always = plan.take_always(grad)
-            rows = plan.compress_rows(grad, density, self.higgs.selector, dist.get_rank(group),
+            rows = plan.compress_rows(grad, density, self.higgs.selector, self.higgs.comm.rank(group),
                                       key=(self.higgs_index, idx), payload=payload,
                                       left=residual.staging() if residual is not None else None)
         gather = not self.ddp_config.use_distributed_optimizer

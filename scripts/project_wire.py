@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_group import fake_group  # noqa: E402
 from higgs_megatron.benchmarks import lean_flags  # noqa: E402
 from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
 
@@ -43,60 +45,47 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
     sync of the schedule (``steps``: those steps only; default: every step of ``--train-iters``).
     Returns ``{"steps": [[wire, dense wire, density, dense stage], ...], "run": [wire, dense wire]}``."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from higgs_megatron.compress.payload import Payload
     from higgs_megatron.training.arguments import parse_args
     from higgs_megatron.training.launch import training_environment
     from higgs_megatron.training.loop import Trainer
 
-    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    new_group = dist.new_group
-
-    def fake_new_group(*args, **kwargs):  # Megatron asks for some groups on gloo: the fake backend serves all
-        kwargs.pop("backend", None)
-        return new_group(*args, **kwargs)
-
-    dist.new_group = fake_new_group
     # Nothing moves on the fake group: what a collective "received" is whatever the buffer held,
     # which no decoder is made to read (positions could point anywhere). Payloads are not
     # decoded; decoding issues no collective, so the count is the same.
     add_to = Payload.add_to
     Payload.add_to = lambda self, target, buffer, layout: None
-    args = parse_args(argv)
     counted: dict[tuple[float, bool], tuple[float, float]] = {}
     per_step, run = [], [0.0, 0.0]
     generator = torch.Generator().manual_seed(0)
     try:
-        with training_environment(args):
-            trainer = Trainer(args)
-            ddp = trainer.model[0]
-            config = ddp.higgs_config
-            for step in (range(args.train_iters) if steps is None else steps):
-                key = (config.density(step), config.dense_stage(step))
-                if key not in counted:
-                    ddp.take_stats()  # nothing before this step
-                    for group in ddp.bucket_groups:
-                        group.higgs_steps = step
-                        for bucket in group.buckets:
-                            bucket.grad_data.copy_(torch.randn(bucket.grad_data.shape, generator=generator))
-                        if group.ddp_config.overlap_grad_reduce:  # else finish starts it, as in Megatron's loop
-                            group.start_grad_sync()
-                        group.finish_grad_sync()
-                    stats = ddp.take_stats()
-                    counted[key] = (stats.wire_bytes, stats.dense_wire_bytes)
-                wire, dense = counted[key]
-                per_step.append([wire, dense, key[0], key[1]])
-                run[0] += wire
-                run[1] += dense
-            trainer.close()
+        with fake_group(world_size):
+            args = parse_args(argv)  # after the group: the data-parallel size is read from it
+            with training_environment(args):
+                trainer = Trainer(args)
+                ddp = trainer.model[0]
+                config = ddp.higgs_config
+                for step in (range(args.train_iters) if steps is None else steps):
+                    key = (config.density(step), config.dense_stage(step))
+                    if key not in counted:
+                        ddp.take_stats()  # nothing before this step
+                        for group in ddp.bucket_groups:
+                            group.higgs_steps = step
+                            for bucket in group.buckets:
+                                bucket.grad_data.copy_(torch.randn(bucket.grad_data.shape, generator=generator))
+                            if group.ddp_config.overlap_grad_reduce:  # else finish starts it, as in Megatron's loop
+                                group.start_grad_sync()
+                            group.finish_grad_sync()
+                        stats = ddp.take_stats()
+                        counted[key] = (stats.wire_bytes, stats.dense_wire_bytes)
+                    wire, dense = counted[key]
+                    per_step.append([wire, dense, key[0], key[1]])
+                    run[0] += wire
+                    run[1] += dense
+                trainer.close()
     finally:
-        dist.new_group = new_group
         Payload.add_to = add_to
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return {"steps": per_step, "run": run}
 
 

@@ -69,7 +69,7 @@ class PendingAgreed:
     def finish(self, waiter=None) -> None:
         self.wait(waiter)
         layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
-        rank = dist.get_rank(self.group)
+        rank = self.comm.rank(self.group)
         sums = unpack_rows(self.received, fmt, layout.width, layout.span, torch.float32).sum(0, keepdim=True)
         self.score_buffer.staged = self.scores.float()
         mine = self.positions.select(0, rank)

@@ -67,7 +67,7 @@ class PendingSharded:
 
     def finish(self, waiter=None) -> None:
         self.wait(waiter)
-        rank = dist.get_rank(self.group)
+        rank = self.comm.rank(self.group)
         lo, hi = self.plan.bounds[rank]
         total = self.plan.sum_shard(rank, self.target.narrow(0, lo, hi - lo), self.received, self.density,
                                     self.payload)

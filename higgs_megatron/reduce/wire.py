@@ -81,31 +81,49 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 class Collectives:
     """The gradient sync's collectives, each counted by ``meter`` as it is issued. Same
-    arguments and return values as ``torch.distributed``'s (a work with ``async_op``)."""
+    arguments and return values as ``torch.distributed``'s (a work with ``async_op``).
+    ``issue`` is where a collective goes out, and ``rank`` is this rank's place in a group:
+    a harness that runs several ranks in one process replaces those two, and every path's code
+    runs unchanged."""
 
     def __init__(self, meter: WireMeter | None = None) -> None:
         self.meter = meter or WireMeter()
 
+    def rank(self, group: dist.ProcessGroup) -> int:
+        """This rank's index in ``group``."""
+        return dist.get_rank(group)
+
+    def issue(self, kind: str, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, op,
+              async_op: bool):
+        """Issue one collective of ``kind`` (``KINDS``) through ``torch.distributed``."""
+        if kind == "all_reduce":
+            return dist.all_reduce(output, op=op, group=group, async_op=async_op)
+        if kind == "reduce_scatter":
+            return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        if kind == "all_gather":
+            return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM,
                    async_op: bool = False):
         self.meter.count("all_reduce", _nbytes(tensor), dist.get_world_size(group))
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return self.issue("all_reduce", tensor, tensor, group, op, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                        op=dist.ReduceOp.SUM, async_op: bool = False):
         self.meter.count("reduce_scatter", _nbytes(input), dist.get_world_size(group))
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        return self.issue("reduce_scatter", output, input, group, op, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool = False):
         self.meter.count("all_gather", _nbytes(input), dist.get_world_size(group))
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        return self.issue("all_gather", output, input, group, None, async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool = False):
         """Equal splits: the i-th of ``world`` equal parts of ``input`` goes to rank i."""
         self.meter.count("all_to_all", _nbytes(input), dist.get_world_size(group))
-        return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+        return self.issue("all_to_all", output, input, group, None, async_op)
 
 
 def plain_wait(work) -> None:
