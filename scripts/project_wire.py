@@ -54,8 +54,9 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
     # Nothing moves on the fake group: what a collective "received" is whatever the buffer held,
     # which no decoder is made to read (positions could point anywhere). Payloads are not
     # decoded; decoding issues no collective, so the count is the same.
-    add_to = Payload.add_to
+    add_to, decode_rows = Payload.add_to, Payload.decode_rows
     Payload.add_to = lambda self, target, buffer, layout: None
+    Payload.decode_rows = lambda self, buffer, layout, dtype: torch.zeros(buffer.shape[0], layout.numel, dtype=dtype)
     counted: dict[tuple[float, bool], tuple[float, float]] = {}
     per_step, run = [], [0.0, 0.0]
     generator = torch.Generator().manual_seed(0)
@@ -85,7 +86,7 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
                     run[1] += dense
                 trainer.close()
     finally:
-        Payload.add_to = add_to
+        Payload.add_to, Payload.decode_rows = add_to, decode_rows
     return {"steps": per_step, "run": run}
 
 

@@ -59,9 +59,11 @@ def _accs(world: int, numel: int = 5003) -> list[torch.Tensor]:
 def test_shards_are_megatrons_and_rows_are_as_wide_as_the_widest_shard():
     plan = ShardedPlan(5003, SLOTS, 64, 4, CPU, "int4")
     assert plan.shard == 1251 and plan.bounds == [(0, 1251), (1251, 2502), (2502, 3753), (3753, 5003)]
-    assert [len(p.units) for p in plan.shards] == [2, 1, 1, 1] and plan.always_positions.tolist() == [
+    assert [len(p) for p in plan.pieces] == [2, 1, 1, 1] and plan.always_positions.tolist() == [
         *range(1000, 1010), 5000, 5001, 5002]  # the small ones by an all-reduce of their own, not in a row
-    assert all(p.n_always == 0 for p in plan.shards)
+    assert plan.layout(0.25).n_always == 0
+    # One layout for every row: the widest shard's count of slots, the others padded
+    assert plan.layout(0.25).k == max(plan.shard_k(shard, 0.25) for shard in range(4)) > plan.shard_k(3, 0.25)
     rows = plan.compress_rows(_accs(4)[0], 0.25, TopK(), rank=1)
     assert rows.shape == (4, plan.row_bytes(0.25, torch.float32))
     assert not rows[1].any()  # this rank's own shard is never sent

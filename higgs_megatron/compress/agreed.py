@@ -45,12 +45,11 @@ Shapes depend only on the plan and the density; nothing reads a device value on 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from .compressor import ParamSlot
+from .compressor import ParamSlot, k_of
 
 BLOCK = 128  # coordinates per block: what one agreed score stands for
 SPAN = 256  # int8/int4: slots of a row per fp32 scale
@@ -127,7 +126,7 @@ class AgreedPlan:
 
     def layout(self, density: float) -> AgreedLayout:
         if density not in self._layouts:
-            k_blocks = [min(piece.n_blocks, math.ceil(density * piece.n_blocks)) for piece in self.pieces]
+            k_blocks = [k_of(piece.n_blocks, density) for piece in self.pieces]
             per_owner = [0] * self.world
             for piece, k in zip(self.pieces, k_blocks):  # a piece sent whole takes its own length
                 per_owner[piece.owner] += piece.end - piece.start if k == piece.n_blocks else k * self.block

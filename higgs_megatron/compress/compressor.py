@@ -69,6 +69,11 @@ class ParamSlot:
         return self.end - self.start
 
 
+def k_of(numel: int, density: float) -> int:
+    """Coordinates a selection unit of ``numel`` sends at ``density``: at least one, at most all."""
+    return min(numel, math.ceil(density * numel))
+
+
 class BucketPlan:
     """The selection units of one bucket (see module docstring)."""
 
@@ -91,7 +96,7 @@ class BucketPlan:
         return self.always_positions.numel()
 
     def k_unit(self, unit: ParamSlot, density: float) -> int:
-        return min(unit.numel, math.ceil(density * unit.numel))
+        return k_of(unit.numel, density)
 
     def k_selected(self, density: float) -> int:
         """Selected coordinates sent per step at ``density`` (fixed for a given density)."""

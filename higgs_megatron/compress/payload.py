@@ -148,89 +148,113 @@ class SparseGrad:
 
 
 def _pad4(parts: list[torch.Tensor]) -> torch.Tensor:
-    size = sum(p.numel() for p in parts)
+    """Rows of uint8 sections side by side, padded to a multiple of 4 bytes."""
+    size = sum(p.shape[-1] for p in parts)
     if size % 4:
-        parts.append(torch.zeros(4 - size % 4, dtype=torch.uint8, device=parts[0].device))
-    return torch.cat(parts)
+        parts.append(torch.zeros(parts[0].shape[0], 4 - size % 4, dtype=torch.uint8, device=parts[0].device))
+    return torch.cat(parts, dim=1)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A row tensor's bytes, row by row: [rows, n * itemsize] uint8."""
     return t.contiguous().view(torch.uint8)
 
 
 class _Reader:
-    """Consecutive typed sections of one peer's uint8 payload."""
+    """Consecutive typed sections of rows of uint8 payloads ([rows, bytes], one peer a row)."""
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer, self.at = buffer, 0
 
     def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         size = n * dtype.itemsize
-        section = self.buffer.narrow(0, self.at, size).view(dtype)
+        section = self.buffer.narrow(1, self.at, size)
         self.at += size
-        return section
+        # Sections are aligned to their type's size in every row, and rows are 4-byte multiples,
+        # so a view is possible except where the rows were handed in as a non-contiguous slice.
+        return (section if section.stride(0) % dtype.itemsize == 0 else section.contiguous()).view(dtype)
 
 
 def _span_amax(values: torch.Tensor, positions: torch.Tensor | None, layout: SlotLayout) -> torch.Tensor:
-    """fp32 [n_scales]: the largest magnitude in each span (0 where none is sent)."""
+    """fp32 [rows, n_scales]: the largest magnitude in each span (0 where none is sent)."""
     magnitudes = values.abs().float()
+    rows = magnitudes.shape[0]
     if positions is None:  # every coordinate, in order: spans are runs of the values
         padded = torch.nn.functional.pad(magnitudes, (0, layout.n_scales * layout.span - layout.numel))
-        return padded.view(layout.n_scales, layout.span).amax(1)
-    return torch.zeros(layout.n_scales, dtype=torch.float32, device=magnitudes.device).scatter_reduce_(
-        0, positions // layout.span, magnitudes, "amax")
+        return padded.view(rows, layout.n_scales, layout.span).amax(2)
+    return torch.zeros(rows, layout.n_scales, dtype=torch.float32, device=magnitudes.device).scatter_reduce_(
+        1, positions // layout.span, magnitudes, "amax")
 
 
 def _per_slot(scales: torch.Tensor, positions: torch.Tensor | None, layout: SlotLayout) -> torch.Tensor:
     if positions is None:
-        return scales.repeat_interleave(layout.span).narrow(0, 0, layout.numel)
-    return scales.index_select(0, positions // layout.span)
+        return scales.repeat_interleave(layout.span, dim=1).narrow(1, 0, layout.numel)
+    return scales.gather(1, positions // layout.span)
 
 
 def _bitmap(positions: torch.Tensor, numel: int) -> torch.Tensor:
-    """uint8 [numel rounded up to 8]: 1 at each of ``positions`` (in any order, repeats allowed)."""
-    bits = torch.zeros(-(-numel // 8) * 8, dtype=torch.uint8, device=positions.device)
-    return bits.index_fill_(0, positions, 1)
+    """uint8 [rows, numel rounded up to 8]: 1 at each of ``positions`` (in any order, repeats allowed)."""
+    bits = torch.zeros(positions.shape[0], -(-numel // 8) * 8, dtype=torch.uint8, device=positions.device)
+    return bits.scatter_(1, positions, 1)
 
 
 def _in_position_order(bits: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, k: int) -> torch.Tensor:
     """The bitmap's value section: ``values`` summed per distinct position, in position order,
     then zeros. A slot's place is the number of set bits before its position; a repeat is a
     padding slot's and carries 0, so the sum is the real value."""
-    place = torch.cumsum(bits, 0, dtype=torch.int32).index_select(0, positions).long() - 1
+    place = torch.cumsum(bits, 1, dtype=torch.int32).gather(1, positions).long() - 1
     wide = values.to(torch.int32 if values.dtype == torch.int8 else values.dtype)
-    return torch.zeros(k, dtype=wide.dtype, device=wide.device).index_add_(0, place, wide).to(values.dtype)
+    return torch.zeros(values.shape[0], k, dtype=wide.dtype, device=wide.device).scatter_add_(
+        1, place, wide).to(values.dtype)
 
 
 def _bitmap_positions(packed: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
-    """int64 [k]: the set coordinates of a packed bitmap, in order, then the last coordinate for
-    each slot left over. Each set coordinate is written to its slot (the set bits before it);
-    each unset coordinate i to a spare place, k + i, past the slots, so every write has a place
-    of its own and the result does not depend on the order of the writes."""
-    k, numel, device = layout.k, layout.numel, packed.device
-    bits = torch.bitwise_and(packed.unsqueeze(1), layout.bit_weights).ne(0).view(-1).narrow(0, 0, numel)
-    place = torch.where(bits, torch.cumsum(bits, 0).sub_(1), torch.arange(k, k + numel, device=device))
-    positions = torch.full((k + numel,), numel - 1, dtype=torch.int64, device=device)
-    return positions.scatter_(0, place, torch.arange(numel, device=device)).narrow(0, 0, k)
+    """int64 [rows, k]: the set coordinates of each row's packed bitmap, in order, then the last
+    coordinate for each slot left over. Each set coordinate is written to its slot (the set bits
+    before it); each unset coordinate i to a spare place, k + i, past the slots, so every write
+    has a place of its own and the result does not depend on the order of the writes."""
+    k, numel, device, rows = layout.k, layout.numel, packed.device, packed.shape[0]
+    bits = torch.bitwise_and(packed.unsqueeze(2), layout.bit_weights).ne(0).view(rows, -1).narrow(1, 0, numel)
+    place = torch.where(bits, torch.cumsum(bits, 1).sub_(1), torch.arange(k, k + numel, device=device))
+    positions = torch.full((rows, k + numel), numel - 1, dtype=torch.int64, device=device)
+    coordinates = torch.arange(numel, device=device).expand(rows, numel)
+    return positions.scatter_(1, place, coordinates).narrow(1, 0, k)
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes in [-7, 7] -> uint8, two a byte (code + 8 in each half, the first low)."""
+    """int8 codes in [-7, 7] -> uint8, two a byte (code + 8 in each half, the first low), per row."""
     biased = (codes.to(torch.int16) + 8).to(torch.uint8)
-    if biased.numel() % 2:
-        biased = torch.cat([biased, biased.new_full((1,), 8)])
-    pairs = biased.view(-1, 2)
-    return torch.bitwise_or(pairs.select(1, 0), torch.bitwise_left_shift(pairs.select(1, 1), 4))
+    if biased.shape[1] % 2:
+        biased = torch.cat([biased, biased.new_full((biased.shape[0], 1), 8)], dim=1)
+    pairs = biased.view(biased.shape[0], -1, 2)
+    return torch.bitwise_or(pairs.select(2, 0), torch.bitwise_left_shift(pairs.select(2, 1), 4))
 
 
 def _unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
-    halves = torch.stack([torch.bitwise_and(packed, 15), torch.bitwise_right_shift(packed, 4)], 1)
-    return (halves.view(-1).narrow(0, 0, k).to(torch.int16) - 8).to(torch.int8)
+    halves = torch.stack([torch.bitwise_and(packed, 15), torch.bitwise_right_shift(packed, 4)], 2)
+    return (halves.view(packed.shape[0], -1).narrow(1, 0, k).to(torch.int16) - 8).to(torch.int8)
+
+
+def _as_rows(sparse: SparseGrad) -> SparseGrad:
+    """One peer's ``SparseGrad`` as the one row of a batch."""
+    def row(t):
+        return None if t is None else t.unsqueeze(0)
+    return SparseGrad(row(sparse.always), sparse.always_positions, row(sparse.positions), row(sparse.values),
+                      row(sparse.codes), row(sparse.scales))
+
+
+def _first_row(sparse: SparseGrad) -> SparseGrad:
+    def first(t):
+        return None if t is None else t.squeeze(0)
+    return SparseGrad(first(sparse.always), sparse.always_positions, first(sparse.positions), first(sparse.values),
+                      first(sparse.codes), first(sparse.scales))
 
 
 @dataclass(frozen=True)
 class Payload:
-    """One wire format (see the module docstring)."""
+    """One wire format (see the module docstring). Each operation has a form for one peer's
+    payload and one for rows of them (``*_rows``: several peers, or several shards, at one
+    layout, in one pass of each kernel); the one-peer form is the one-row case."""
 
     name: str
 
@@ -259,6 +283,10 @@ class Payload:
 
     def round(self, sparse: SparseGrad, layout: SlotLayout) -> SparseGrad:
         """``sparse`` with its values as every peer will decode them (see the module docstring)."""
+        return _first_row(self.round_rows(_as_rows(sparse), layout))
+
+    def round_rows(self, sparse: SparseGrad, layout: SlotLayout) -> SparseGrad:
+        """``round`` of rows: ``sparse``'s tensors are [rows, ...], one payload a row."""
         if self.name == "wide":
             return sparse
         dtype = sparse.values.dtype
@@ -276,12 +304,18 @@ class Payload:
 
     def pack(self, sparse: SparseGrad, layout: SlotLayout) -> torch.Tensor:
         """One peer's uint8 payload, ``nbytes`` long, from a ``round``ed ``sparse``."""
+        return self.pack_rows(_as_rows(sparse), layout).squeeze(0)
+
+    def pack_rows(self, sparse: SparseGrad, layout: SlotLayout) -> torch.Tensor:
+        """uint8 [rows, nbytes]: ``pack`` of each row of a ``round_rows``ed ``sparse``."""
         if self.name == "wide":
             return _pad4([_bytes(sparse.positions.to(torch.int32)), _bytes(sparse.always), _bytes(sparse.values)])
+        rows = sparse.values.shape[0]
         values = sparse.codes if self.scaled else sparse.values.to(torch.bfloat16)
         parts = []
         if layout.encoding == "offsets":
-            parts.append(_bytes(torch.searchsorted(sparse.positions, layout.block_firsts).to(torch.int32)))
+            firsts = layout.block_firsts.expand(rows, layout.n_blocks).contiguous()
+            parts.append(_bytes(torch.searchsorted(sparse.positions, firsts).to(torch.int32)))
         if self.scaled:
             parts.append(_bytes(sparse.scales))
         parts.append(_bytes(sparse.always.to(torch.bfloat16)))
@@ -293,7 +327,7 @@ class Payload:
         if self.name == "bf16":
             parts.append(_bytes(values))
         if layout.encoding == "bitmap":
-            parts.append((bits.view(-1, 8) * layout.bit_weights).sum(1, dtype=torch.uint8))
+            parts.append((bits.view(rows, -1, 8) * layout.bit_weights).sum(2, dtype=torch.uint8))
         if self.name == "int8":
             parts.append(_bytes(values))
         elif self.name == "int4":
@@ -304,7 +338,14 @@ class Payload:
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(always values, int64 positions, selected values), in ``dtype``, from one peer's
         payload; positions None: the values are every coordinate, in order."""
-        read, k = _Reader(buffer), layout.k
+        always, positions, values = self.unpack_rows(buffer.unsqueeze(0), layout, dtype)
+        return always.squeeze(0), None if positions is None else positions.squeeze(0), values.squeeze(0)
+
+    def unpack_rows(self, buffer: torch.Tensor, layout: SlotLayout, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``unpack`` of each row of ``buffer`` (uint8 [rows, bytes], each from its start): each
+        of the three is [rows, ...]."""
+        read, k, rows = _Reader(buffer), layout.k, buffer.shape[0]
         if self.name == "wide":
             positions = read.take(k, torch.int32).long()
             return read.take(layout.n_always, dtype), positions, read.take(k, dtype)
@@ -314,7 +355,8 @@ class Payload:
         positions = None
         if layout.encoding == "offsets":
             offsets = read.take(k, torch.int16).long() + _OFFSET_BIAS
-            positions = (torch.searchsorted(starts, layout.slots, right=True) - 1) * BLOCK + offsets
+            slots = layout.slots.expand(rows, k).contiguous()
+            positions = (torch.searchsorted(starts, slots, right=True) - 1) * BLOCK + offsets
         values = read.take(k, torch.bfloat16).to(dtype) if self.name == "bf16" else None
         if layout.encoding == "bitmap":
             positions = _bitmap_positions(read.take(-(-layout.numel // 8), torch.uint8), layout)
@@ -333,6 +375,18 @@ class Payload:
         if always.numel():
             target.index_add_(0, layout.always_positions, always)
         target.index_add_(0, positions, values)
+
+    def decode_rows(self, buffer: torch.Tensor, layout: SlotLayout, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, numel]: each row of ``buffer`` decoded into coordinates of its own (0 where
+        nothing is sent): the payloads of several peers, or of several shards, in one pass."""
+        always, positions, values = self.unpack_rows(buffer, layout, dtype)
+        if positions is None:  # every coordinate, in order
+            return values
+        dense = torch.zeros(buffer.shape[0], layout.numel, dtype=dtype, device=buffer.device)
+        if always.numel():
+            dense.index_copy_(1, layout.always_positions, always)
+        # a padding slot repeats a position with 0: added, not written over the real value
+        return dense.scatter_add_(1, positions, values)
 
 
 DENSE_INT8 = Payload("int8")  # a dense step under ``--higgs-dense-int8``: every coordinate (density 1)

@@ -96,6 +96,21 @@ class Selector:
         """Exactly ``k`` positions of ``magnitudes`` (1-D); ``key`` names the bucket's unit."""
         raise NotImplementedError
 
+    def select_rows(self, magnitudes: torch.Tensor, k: int, key: object = None) -> Selection:
+        """``select`` of each row of ``magnitudes`` ([rows, n], units of one size): positions
+        [rows, k] within each row. Row by row here; a selector that can does it in one call."""
+        chosen = [self.select(row, k, key=(key, index)) for index, row in enumerate(magnitudes.unbind(0))]
+        valid = None
+        if any(c.valid is not None for c in chosen):
+            valid = torch.stack([torch.ones(k, dtype=torch.bool, device=magnitudes.device) if c.valid is None
+                                 else c.valid for c in chosen])
+        return Selection(torch.stack([c.positions for c in chosen]), valid)
+
+    def _topk_rows(self, magnitudes: torch.Tensor, k: int) -> Selection:
+        for _ in range(magnitudes.shape[0]):
+            self.stats.record(k)
+        return Selection(torch.topk(magnitudes, k, dim=1, sorted=False).indices)
+
 
 class TopK(Selector):
     name = "topk"
@@ -103,6 +118,9 @@ class TopK(Selector):
     def select(self, magnitudes: torch.Tensor, k: int, key: object = None) -> Selection:
         self.stats.record(k)
         return Selection(torch.topk(magnitudes, k, sorted=False).indices)
+
+    def select_rows(self, magnitudes: torch.Tensor, k: int, key: object = None) -> Selection:
+        return self._topk_rows(magnitudes, k)
 
 
 class SampledTopK(Selector):
@@ -133,6 +151,11 @@ class SampledTopK(Selector):
         sample_at = (torch.arange(size, device=magnitudes.device) * _SAMPLE_PRIME + self.offsets.randrange(n)) % n
         rank = min(size, max(1, math.ceil(size * self.oversample * k / n)))
         return torch.topk(magnitudes.index_select(0, sample_at), rank, sorted=False).values.min()
+
+    def select_rows(self, magnitudes: torch.Tensor, k: int, key: object = None) -> Selection:
+        if k * 4 >= magnitudes.shape[1]:  # as ``select``: exact, and in one call
+            return self._topk_rows(magnitudes, k)
+        return super().select_rows(magnitudes, k, key)
 
     def select(self, magnitudes: torch.Tensor, k: int, key: object = None) -> Selection:
         n = magnitudes.numel()
