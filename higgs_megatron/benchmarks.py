@@ -31,7 +31,8 @@ def higgs_flags(density: float, train_iters: int, dense_iters: int | None = None
     dense_iters = train_iters // 4 if dense_iters is None else dense_iters
     warmup_iters = train_iters // 3 if warmup_iters is None else warmup_iters
     flags = ["--use-higgs", "--higgs-compression-ratio", f"{density:g}", "--higgs-sync", "sparse",
-             "--higgs-dense-iters", str(dense_iters), "--higgs-density-warmup-iters", str(warmup_iters)]
+             "--higgs-payload", "wide", "--higgs-dense-iters", str(dense_iters),
+             "--higgs-density-warmup-iters", str(warmup_iters)]
     return flags + (["--higgs-freeze-adam-variance"] if dense_iters else [])
 
 
@@ -51,12 +52,11 @@ def lean_flags(train_iters: int, density: float = 0.25, payload: str = "int4", d
     flags = ["--use-higgs", "--higgs-compression-ratio", f"{density:g}", "--higgs-sync", sync,
              "--higgs-payload", payload, "--higgs-dense-iters", str(dense_iters),
              "--higgs-density-warmup-iters", str(ramp_iters)]
-    if dense_iters:
-        flags.append(f"--higgs-dense-{dense_wire}")
-        if freeze_variance:
-            flags.append("--higgs-freeze-adam-variance")
-            if refresh_iters:
-                flags += ["--higgs-variance-refresh-iters", str(min(dense_iters, refresh_iters))]
+    flags.append(f"--higgs-dense-{dense_wire}" if dense_iters else "--no-higgs-dense-int8")
+    if dense_iters and freeze_variance:
+        flags.append("--higgs-freeze-adam-variance")
+        if refresh_iters:
+            flags += ["--higgs-variance-refresh-iters", str(min(dense_iters, refresh_iters))]
     return flags
 
 

@@ -20,6 +20,7 @@ from .compress.payload import PAYLOADS
 from .field_flags import add_field_flags, field_flag, field_values
 from .field_flags import flag_metadata as _flag
 from .given_flags import flags_given
+from .schedule import derived_schedule
 
 COMPRESSORS = ("topk", "sampled-topk", "none")
 SYNC_MODES = ("auto", "dense", "sparse", "agreed", "sharded", "hierarchical")
@@ -39,7 +40,8 @@ class ConfigError(ValueError):
 @dataclass
 class HiggsConfig:
     compression_ratio: float = field(default=0.01, metadata=_flag(
-        "--higgs-compression-ratio", "density in (0, 1]: fraction of each bucket sent per step", type=float))
+        "--higgs-compression-ratio", "density in (0, 1]: fraction of each bucket sent per step (default: 0.25)",
+        derived=True, type=float))
     """Density: the fraction of each bucket's coordinates sent per step, in (0, 1]."""
 
     compressor: str = field(default="topk", metadata=_flag(
@@ -54,11 +56,12 @@ class HiggsConfig:
 
     density_warmup_iters: int = field(default=0, metadata=_flag(
         "--higgs-density-warmup-iters", "go from dense to the target density over N iterations (after "
-        "--higgs-dense-iters)", type=int))
+        "--higgs-dense-iters; default: a twentieth of --train-iters)", derived=True, type=int))
     """Go from dense to ``compression_ratio`` geometrically over N steps (after ``dense_iters``)."""
 
     dense_iters: int = field(default=0, metadata=_flag(
-        "--higgs-dense-iters", "sync dense for the first N iterations, then compress", type=int))
+        "--higgs-dense-iters", "sync dense for the first N iterations, then compress (default: the learning-rate "
+        "warm-up)", derived=True, type=int))
     """Sync dense, through Megatron's own collective, for the first N steps; compress after
     them. Error feedback delays gradient mass; a dense start lets the model and Adam's moments
     settle before the delays begin (1-bit Adam's warm-up stage)."""
@@ -74,8 +77,8 @@ class HiggsConfig:
     payload: str = field(default="wide", metadata=_flag(
         "--higgs-payload", "wire format of the compressed payload: wide (int32 positions, the gradient's dtype), "
         "bf16 (positions as 16-bit block offsets or a bitmap, whichever is smaller; bf16 values), int8 (the same "
-        "positions, int8 values with a scale per span of coordinates), int4 (as int8, 4-bit values)",
-        choices=PAYLOADS))
+        "positions, int8 values with a scale per span of coordinates), int4 (as int8, 4-bit values; the default)",
+        derived=True, choices=PAYLOADS))
     """The compressed payload's wire format (``compress.payload``): 'wide' sends int32 positions
     and values in the gradient's dtype; 'bf16' positions as 16-bit offsets within 64Ki-coordinate
     blocks or as a bitmap (whichever is smaller; none at density 1) and bf16 values; 'int8' the
@@ -101,8 +104,8 @@ class HiggsConfig:
 
     dense_int8: bool = field(default=False, metadata=_flag(
         "--higgs-dense-int8", "with --higgs-payload bf16, int8 or int4: send the dense steps of compressed buckets as every "
-        "coordinate in int8 (a quarter of fp32's bytes), the rounding kept in the error-feedback residual",
-        action="store_true"))
+        "coordinate in int8 (a quarter of fp32's bytes), the rounding kept in the error-feedback residual (default: on "
+        "where it applies; --no-higgs-dense-int8: off)", derived=True, action=argparse.BooleanOptionalAction))
     """With a blocked payload (bf16, int8, int4): a compressed bucket's dense steps (the dense stage, refresh windows,
     a ramp's early steps) go as the int8 payload at density 1, every coordinate in order with
     a scale per 2,048 coordinates, gathered and summed like the sparse payload: a quarter of an
@@ -131,10 +134,18 @@ class HiggsConfig:
     rank its own top-k of each shard, sent to the shard's owner, which sums them and sends back
     the top-k of the sum (``compress.sharded``: they do not either); 'dense' never compresses;
     'hierarchical' reduces densely inside each node and compresses only across nodes; 'auto' takes
-    whichever of dense, sparse and hierarchical ``cost_model`` predicts fastest, from link costs
-    measured at start-up (not 'agreed' nor 'sharded': the cost model does not price them, and at
-    the same density they have lost more loss than 'sparse' at DP=2). Under
+    whichever of dense, sparse, sharded and hierarchical ``cost_model`` predicts fastest, from link
+    costs measured at start-up (the all-gather at two ranks, where they move the same bytes and it
+    loses less loss; the sharded form beyond; not 'agreed', which at the same density has lost
+    more loss than both). Under
     every mode a step whose form would put no fewer bytes on the link than dense goes dense."""
+
+    sum_density_factor: float = field(default=1.0, metadata=_flag(
+        "--higgs-sum-density-factor", "sharded form without the distributed optimizer: the shard's owner sends "
+        "back this many times the density of its sum (at most every coordinate)", type=float))
+    """The sharded form without the distributed optimizer: the owner selects ``min(1, factor x
+    density)`` of its shard's sum for the all-gather. The sum holds the union of P ranks'
+    selections, which grows with P; sending back only ``density`` of it loses more as P grows."""
 
     link_gbps: float | None = field(default=None, metadata=_flag(
         "--higgs-link-gbps", "with --higgs-sync auto: assume links of this many Gbit/s instead of measuring them",
@@ -156,6 +167,9 @@ class HiggsConfig:
             raise ConfigError("payload", f"payload must be one of {', '.join(PAYLOADS)}; got {self.payload!r}")
         if self.sync not in SYNC_MODES:
             raise ConfigError("sync", f"sync must be one of {', '.join(SYNC_MODES)}; got {self.sync!r}")
+        if not self.sum_density_factor >= 1.0 or math.isinf(self.sum_density_factor):
+            raise ConfigError("sum_density_factor", f"sum_density_factor must be a finite number, 1 or more, got "
+                              f"{self.sum_density_factor}")
         for name in ("link_gbps", "node_link_gbps"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
@@ -200,6 +214,10 @@ class HiggsConfig:
         ``variance_refresh_iters``."""
         return step < self.dense_iters or self.refresh_window(step)
 
+    def sum_density(self, density: float) -> float:
+        """The sharded form's owner's density for a step at ``density``."""
+        return min(1.0, density * self.sum_density_factor)
+
     def density(self, step: int) -> float:
         """The density in force at ``step`` (0-based): 1 in the dense stage, then from 1 to the
         target over the warm-up."""
@@ -237,9 +255,11 @@ def flag_of(field_name: str) -> str:
     return field_flag(HiggsConfig, field_name)
 
 
-def higgs_config_from_args(args: argparse.Namespace) -> HiggsConfig:
-    """Build the config; a ValueError names the offending flag."""
+def higgs_config_from_args(args: argparse.Namespace, train_iters: int, lr_warmup_iters: int) -> HiggsConfig:
+    """Build the config: the flags given, and for the schedule's flags not given the values the
+    run derives (``schedule.derived_schedule``, from its length and learning-rate warm-up); a
+    ValueError names the offending flag."""
     try:
-        return HiggsConfig(**field_values(args, HiggsConfig))
+        return HiggsConfig(**derived_schedule(field_values(args, HiggsConfig), train_iters, lr_warmup_iters))
     except ConfigError as error:
         raise ValueError(f"{flag_of(error.field)}: {error}") from None

@@ -1,4 +1,4 @@
-"""Which path a gradient bucket should take: dense, flat sparse, or hierarchical.
+"""Which path a gradient bucket should take: dense, flat sparse, sharded or hierarchical.
 
 Compression pays only where the link is slow relative to the cost of compressing
 (Agarwal et al., MLSys 2022). The model predicts, per bucket and density, the seconds each
@@ -9,6 +9,10 @@ path keeps this rank busy, from costs measured once at start-up on the real grou
                 distributed optimizer) of the bucket's B bytes;
 * sparse:       ``compress(N) + gather(P)``: error feedback and top-k over the bucket's N
                 elements, then the all-gather of a P-byte payload over the DP group;
+* sharded:      ``compress(N) + all_to_all(W R) + gather(R) + dense(A)``: each rank's top-k
+                of each of the W shards, rows of R bytes, to their owners; the owners' rows
+                gathered back (not with the distributed optimizer, whose shard is the sum); the
+                small parameters' A bytes all-reduced (priced as a dense step of that size);
 * hierarchical: ``node_scatter(B) + compress(N / L) + cross_gather(P') + node_gather(B / L)``:
                 reduce-scatter inside the node of L ranks, top-k on this rank's slice, the
                 slice's payload P' gathered across nodes, the slices gathered inside the node.
@@ -26,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-PATHS = ("dense", "sparse", "hierarchical")
+PATHS = ("dense", "sparse", "sharded", "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class LinkCosts:
     node_scatter: CollectiveCost | None = None  # with more than one node and rank per node
     cross_gather: CollectiveCost | None = None
     node_gather: CollectiveCost | None = None
+    all_to_all: CollectiveCost | None = None  # over the whole group; None: the sharded form is not priced
 
     @classmethod
     def assumed(cls, gbps: float, dp_size: int, ranks_per_node: int, distributed_optimizer: bool,
@@ -82,7 +87,7 @@ class LinkCosts:
         dense_factor = (n - 1) / n * (1 if distributed_optimizer else 2)
         hierarchical = nodes > 1 and ranks_per_node > 1 if hierarchy is None else hierarchy
         label = f"assumed {gbps:g} Gbit/s" + (f", {node_gbps:g} Gbit/s inside a node" if hierarchical else "")
-        return cls(dense=ring(dense_factor, gbps), gather=ring(n - 1, gbps),
+        return cls(dense=ring(dense_factor, gbps), gather=ring(n - 1, gbps), all_to_all=ring((n - 1) / n, gbps),
                    compress_seconds_per_element=compress_seconds_per_element, source=label,
                    node_scatter=ring((ranks_per_node - 1) / ranks_per_node, node_gbps) if hierarchical else None,
                    cross_gather=ring(nodes - 1, gbps) if hierarchical else None,
@@ -97,7 +102,7 @@ class LinkCosts:
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        names = {"dense": "dense", "gather": "all-gather", "node_scatter": "node reduce-scatter",
+        names = {"dense": "dense", "gather": "all-gather", "all_to_all": "all-to-all", "node_scatter": "node reduce-scatter",
                  "cross_gather": "cross-node all-gather", "node_gather": "node all-gather"}
         parts = [f"{label} {cost.gbps:.2f} Gbit/s + {cost.latency_s * 1e3:.2f} ms"
                  for name, label in names.items() if (cost := getattr(self, name)) is not None]
@@ -115,6 +120,11 @@ class BucketShape:
     slice_numel: int = 0
     slice_payload_bytes: int | None = None  # None: the hierarchical path is not available
     ranks_per_node: int = 1
+    shard_row_bytes: int | None = None  # None: the sharded form is not available
+    shards: int = 1  # its rows: the group's size
+    gather_row_bytes: int = 0  # the owners' rows it gathers back (at the owners' density)
+    always_bytes: int = 0  # its small parameters, all-reduced
+    gather_rows: bool = True  # False with the distributed optimizer: the owner's sum is its shard
 
 
 def predict(costs: LinkCosts, shape: BucketShape) -> dict[str, float]:
@@ -123,6 +133,10 @@ def predict(costs: LinkCosts, shape: BucketShape) -> dict[str, float]:
     predicted = {"dense": costs.dense.seconds(shape.bucket_bytes)}
     if shape.flat_payload_bytes is not None:
         predicted["sparse"] = shape.numel * per_element + costs.gather.seconds(shape.flat_payload_bytes)
+    if shape.shard_row_bytes is not None and costs.all_to_all is not None:
+        predicted["sharded"] = (shape.numel * per_element + costs.all_to_all.seconds(shape.shards * shape.shard_row_bytes)
+                                + (costs.gather.seconds(shape.gather_row_bytes) if shape.gather_rows else 0.0)
+                                + (costs.dense.seconds(shape.always_bytes) if shape.always_bytes else 0.0))
     if costs.has_hierarchy and shape.slice_payload_bytes is not None:
         predicted["hierarchical"] = (costs.node_scatter.seconds(shape.bucket_bytes)
                                      + shape.slice_numel * per_element

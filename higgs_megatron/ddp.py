@@ -414,10 +414,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                  ) -> tuple[str, float, Payload | None]:
         """Bucket ``idx``'s path this step (``sync_plan.path_at``), with the density and payload
         it takes: a dense step under ``--higgs-dense-int8`` goes through the bucket's form, every
-        coordinate in int8 (density 1, ``DENSE_INT8``)."""
+        coordinate in int8 (density 1, ``DENSE_INT8``), where that pays (under 'auto', where the
+        cost model says so: ``BucketPaths.int8_pays``)."""
         paths = self.higgs_buckets[idx]
         path = "dense" if dense else path_at(paths, density, self.higgs.costs)
-        if path == "dense" and paths.dense_in_int8 and not force_all_reduce:
+        if path == "dense" and paths.dense_in_int8 and not force_all_reduce and paths.int8_pays(self.higgs.costs):
             return paths.form, 1.0, DENSE_INT8
         return path, density, None
 
@@ -530,10 +531,13 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                                       key=(self.higgs_index, idx), payload=payload,
                                       left=residual.staging() if residual is not None else None)
         gather = not self.ddp_config.use_distributed_optimizer
-        launch.stats.bytes_sent += rows.numel() + (rows.shape[1] if gather else 0) + plan.always_bytes(grad.dtype)
+        sum_density = density if payload is DENSE_INT8 else self.higgs.config.sum_density(density)
+        launch.stats.bytes_sent += (rows.numel() + plan.always_bytes(grad.dtype)
+                                    + (plan.row_bytes(sum_density, grad.dtype, payload) if gather else 0))
         launch.count(dense=payload is DENSE_INT8)
         return launch_sharded(self.higgs.comm, plan, density, payload, self.higgs.selector, (self.higgs_index, idx),
-                              rows, always, residual, grad, group, gather, async_op=launch.async_op)
+                              rows, always, residual, grad, group, gather, async_op=launch.async_op,
+                              sum_density=sum_density)
 
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:

@@ -16,9 +16,10 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 
-def flag_metadata(name: str, help: str, **argparse_kwargs: Any) -> dict:
-    """Field metadata: the flag, its help, and what argparse needs beyond type and default."""
-    return {"flag": name, "help": help, "argparse": argparse_kwargs}
+def flag_metadata(name: str, help: str, derived: bool = False, **argparse_kwargs: Any) -> dict:
+    """Field metadata: the flag, its help, and what argparse needs beyond type and default.
+    ``derived``: the flag's default is None (not given), the value a run derives then."""
+    return {"flag": name, "help": help, "derived": derived, "argparse": argparse_kwargs}
 
 
 def flag_dest(flag: str) -> str:
@@ -34,7 +35,7 @@ def add_field_flags(group: argparse._ActionsContainer, config_class: type) -> No
     """Add one flag per field of ``config_class`` that declares one, with the field's default."""
     for config_field in _flag_fields(config_class):
         meta = config_field.metadata
-        default = None if config_field.default is MISSING else config_field.default
+        default = None if config_field.default is MISSING or meta.get("derived") else config_field.default
         group.add_argument(meta["flag"], dest=flag_dest(meta["flag"]), default=default, help=meta["help"],
                            **meta["argparse"])
 

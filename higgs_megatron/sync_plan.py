@@ -28,7 +28,7 @@ import torch
 
 from .compress.agreed import AgreedPlan
 from .compress.compressor import BucketPlan, ParamSlot
-from .compress.payload import DENSE_INT8
+from .compress.payload import DENSE_INT8, Payload
 from .compress.sharded import ShardedPlan
 from .config import HiggsConfig
 from .cost_model import BucketShape, LinkCosts, cheapest, predict
@@ -68,6 +68,8 @@ class BucketPaths:
     dense_bf16: bool = False  # config.dense_bf16, for a bucket with a residual, one instance, wider than bf16
     dense_int8: bool = False  # config.dense_int8, for a bucket with a residual and one instance
     paths: dict[float, str] = field(default_factory=dict)  # density -> path
+    int8_verdict: bool | None = None  # under 'auto', once decided: whether int8_pays
+    sum_density_factor: float = 1.0  # config.sum_density_factor: the sharded form's owner's density
 
     @property
     def dense_in_bf16(self) -> bool:
@@ -112,10 +114,23 @@ class BucketPaths:
         payload = DENSE_INT8 if int8 else None
         if isinstance(plan, ShardedPlan):
             row = plan.row_bytes(density, self.dtype, payload)
-            gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * row
+            back = plan.row_bytes(density if int8 else min(1.0, density * self.sum_density_factor), self.dtype,
+                                  payload)
+            gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * back
             return (ring_factor("all_to_all", world) * world * row + gather
                     + ring_factor("all_reduce", world) * plan.always_bytes(self.dtype))
         return ring_factor("all_gather", world) * plan.payload_bytes(density, self.dtype, payload)
+
+    def int8_pays(self, costs: LinkCosts | None) -> bool:
+        """Whether a dense step in int8 through the form (``dense_in_int8``) is worth its
+        compression: always by bytes alone (no ``costs``); under 'auto', where the cost model
+        predicts it faster than the plain dense step (on a fast link it is not)."""
+        if costs is None:
+            return True
+        if self.int8_verdict is None:
+            predicted = predict(costs, self.shape(1.0, (self.form,), DENSE_INT8))
+            self.int8_verdict = cheapest(predicted, allowed=("dense", self.form)) == self.form
+        return self.int8_verdict
 
     @property
     def form(self) -> str | None:
@@ -130,16 +145,23 @@ class BucketPaths:
     def bucket_bytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    def shape(self, density: float, forms: tuple[str, ...]) -> BucketShape:
-        """What the cost model needs of this bucket at ``density``, for the given forms."""
+    def shape(self, density: float, forms: tuple[str, ...], payload: Payload | None = None) -> BucketShape:
+        """What the cost model needs of this bucket at ``density``, for the given forms (their
+        payloads in ``payload``'s format, if given)."""
         flat, piece = self.candidates.get("sparse"), self.candidates.get("hierarchical")
+        sharded = self.candidates.get("sharded") if "sharded" in forms else None
         return BucketShape(
             bucket_bytes=self.bucket_bytes, numel=self.numel,
-            flat_payload_bytes=flat.payload_bytes(density, self.dtype) if flat and "sparse" in forms else None,
+            flat_payload_bytes=flat.payload_bytes(density, self.dtype, payload) if flat and "sparse" in forms else None,
             slice_numel=piece.numel if piece else 0,
             slice_payload_bytes=piece.payload_bytes(density, self.dtype) if piece and "hierarchical" in forms
             else None,
-            ranks_per_node=self.ranks_per_node if piece else 1)
+            ranks_per_node=self.ranks_per_node if piece else 1,
+            shard_row_bytes=sharded.row_bytes(density, self.dtype, payload) if sharded else None, shards=self.world,
+            gather_row_bytes=(sharded.row_bytes(density if payload is not None else min(
+                1.0, density * self.sum_density_factor), self.dtype, payload) if sharded else 0),
+            always_bytes=sharded.always_bytes(self.dtype) if sharded else 0,
+            gather_rows=not self.distributed_optimizer)
 
 
 def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot], config: HiggsConfig,
@@ -150,8 +172,10 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
                     and not (config.sync == "hierarchical" and (nodes is None or nodes.single_node)))
     # 'auto' weighs time and bytes, not loss: at the same density the agreed blocks ended 5.9%
     # above dense's loss where the ranks' own top-k ended 0.9% (docs/compression.md), so it is
-    # not one of auto's forms until it converges as well.
-    forms = {"auto": ("sparse", "hierarchical"), "sparse": ("sparse",), "agreed": ("agreed",),
+    # not one of auto's forms until it converges as well. The sharded form keeps each rank's own
+    # top-k, with bytes per rank flat in P: auto weighs it against the all-gather, which it
+    # beats from three ranks on (at two they move the same bytes, and ties go to the all-gather).
+    forms = {"auto": ("sparse", "sharded", "hierarchical"), "sparse": ("sparse",), "agreed": ("agreed",),
              "sharded": ("sharded",), "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
     instances = nodes is not None and nodes.instances
     if instances and forms:  # compressed across the instances only, whatever the sync mode
@@ -176,7 +200,8 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
                        ranks_per_node=nodes.ranks_per_node if nodes is not None else 1, world=world,
                        distributed_optimizer=distributed_optimizer, nodes=nodes.nodes if nodes is not None else 1,
                        dense_bf16=config.dense_bf16 and bool(candidates) and not instances and dtype.itemsize > 2,
-                       dense_int8=config.dense_int8 and bool(candidates) and not instances)
+                       dense_int8=config.dense_int8 and bool(candidates) and not instances,
+                       sum_density_factor=config.sum_density_factor)
 
 
 def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:

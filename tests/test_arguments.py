@@ -92,11 +92,14 @@ def test_under_torchrun_the_message_appears_once_and_ranks_exit_2(rank0, tmp_pat
     (["--use-higgs", "--higgs-compressor", "powersgd"], "argument --higgs-compressor: invalid choice: 'powersgd'"),
     (["--use-higgs", "--higgs-density-warmup-iters", "-1"], "--higgs-density-warmup-iters: density_warmup_iters must be 0 or more"),
     (["--use-higgs", "--higgs-dense-iters", "-1"], "--higgs-dense-iters: dense_iters must be 0 or more"),
-    (["--use-higgs", "--higgs-freeze-adam-variance"], "--higgs-freeze-adam-variance: freeze_adam_variance needs dense_iters > 0"),
+    (["--use-higgs", "--higgs-dense-iters", "0", "--higgs-freeze-adam-variance"],
+     "--higgs-freeze-adam-variance: freeze_adam_variance needs dense_iters > 0"),
     (["--use-higgs", "--higgs-dense-iters", "5", "--higgs-freeze-adam-variance", "--optimizer", "sgd"],
      "--higgs-freeze-adam-variance: freezes Adam's second moment; --optimizer is sgd"),
-    (["--use-higgs", "--higgs-dense-int8"], "--higgs-dense-int8: dense_int8 sends dense steps as a payload with every "
+    (["--use-higgs", "--higgs-payload", "wide", "--higgs-dense-int8"], "--higgs-dense-int8: dense_int8 sends dense steps as a payload with every "
      "coordinate, which the blocked payloads have: it needs payload bf16, int8 or int4 (got 'wide') and not dense_bf16"),
+    (["--use-higgs", "--higgs-sum-density-factor", "0.5"],
+     "--higgs-sum-density-factor: sum_density_factor must be a finite number, 1 or more, got 0.5"),
     (["--use-higgs", "--higgs-link-gbps", "0"], "--higgs-link-gbps: link_gbps must be a positive number of Gbit/s, got 0.0"),
     (["--use-higgs", "--higgs-link-gbps", "nan"], "--higgs-link-gbps: link_gbps must be a positive number of Gbit/s, got nan"),
     (["--use-higgs", "--higgs-node-link-gbps", "100"], "--higgs-node-link-gbps: node_link_gbps needs link_gbps"),
@@ -114,8 +117,8 @@ def test_bad_higgs_flags_are_named(argv, message):
 
 
 def test_flags_that_need_no_compressed_sync_are_accepted_without_use_higgs():
-    args = parse_args(["--check-weight-hash-across-dp-replicas-interval", "5", "--higgs-compression-ratio", "0.01"],
-                      world_size=2)  # the ratio at its default is not "given"
+    args = parse_args(["--check-weight-hash-across-dp-replicas-interval", "5", "--higgs-sync", "auto"],
+                      world_size=2)  # a flag at its default is not "given"
     assert args.higgs_config is None and args.check_weight_hash_across_dp_replicas_interval == 5
 
 

@@ -40,15 +40,17 @@ def test_equals_megatron_ddp_when_dense(world_size, layout, distopt, tiny_gpt_ar
         "megatron": base,
         "none": base + ["--use-higgs", "--higgs-compressor", "none"],
         "topk-1.0": base + ["--use-higgs", "--higgs-compression-ratio", "1.0", "--higgs-sync", "sparse",
-                            "--higgs-min-bucket-numel", "0"],
+                            "--higgs-min-bucket-numel", "0", "--higgs-payload", "wide"],
     }
     for rank_out in run_ranks(train_variants_on_the_compressed_form, world_size, args=(variants,), timeout=400):
         assert rank_out["forced"] > 0, "no bucket took the compressed form"
         _assert_equals_megatron(rank_out)
 
 
+# The schedule written out (not --use-higgs's derived one): 1% from the first step, int32 positions, fp32 values
 SPARSE = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0", "--higgs-sync", "sparse",
-          "--higgs-min-param-numel", "256"]
+          "--higgs-min-param-numel", "256", "--higgs-payload", "wide", "--higgs-dense-iters", "0",
+          "--higgs-density-warmup-iters", "0"]
 
 
 @DISTOPT
@@ -274,7 +276,7 @@ def test_two_optimizer_instances_dense_equals_megatron_and_compressed_keeps_repl
         "megatron": base + ["--train-iters", "5"],
         "none": base + ["--train-iters", "5", "--use-higgs", "--higgs-compressor", "none"],
         "topk-1.0": base + ["--train-iters", "5", "--use-higgs", "--higgs-compression-ratio", "1.0",
-                            "--higgs-min-bucket-numel", "0"],
+                            "--higgs-min-bucket-numel", "0", "--higgs-payload", "wide"],
         "topk-0.01": base + ["--train-iters", "20"] + SPARSE,
         "megatron-20": base + ["--train-iters", "20"],
     }

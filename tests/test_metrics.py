@@ -172,14 +172,14 @@ def test_the_benchmarks_schedules_make_the_configs_they_describe():
     spec.loader.exec_module(bench)
     args = bench.build_parser().parse_args(["--train-iters", "2400"])
     parser = add_higgs_args(argparse.ArgumentParser())
-    lean = higgs_config_from_args(parser.parse_args(bench.lean_schedule(args)))
+    lean = higgs_config_from_args(parser.parse_args(bench.lean_schedule(args)), 2400, 240)
     assert (lean.dense_iters, lean.density_warmup_iters, lean.variance_refresh_iters) == (240, 120, 0)
     assert not lean.freeze_adam_variance and lean.dense_int8 and lean.payload == "int4"
     assert lean.compression_ratio == 0.25 and lean.sync == "sparse"
     frozen = higgs_config_from_args(parser.parse_args(bench.lean_schedule(
-        bench.build_parser().parse_args(["--train-iters", "2400", "--lean-freeze-variance"]))))
+        bench.build_parser().parse_args(["--train-iters", "2400", "--lean-freeze-variance"]))), 2400, 240)
     assert frozen.freeze_adam_variance and (frozen.dense_iters, frozen.variance_refresh_iters) == (240, 20)
     ef = higgs_config_from_args(parser.parse_args(higgs_flags(args.density, args.train_iters, args.dense_iters,
-                                                              args.density_warmup_iters)))
+                                                              args.density_warmup_iters)), 2400, 240)
     assert (ef.compression_ratio, ef.dense_iters, ef.density_warmup_iters) == (0.01, 600, 800)
     assert ef.freeze_adam_variance and ef.payload == "wide" and ef.error_feedback

@@ -29,7 +29,7 @@ def test_density_one_through_the_form_equals_megatron_ddp(form, world_size, layo
     base = _argv(tiny_gpt_args, world_size, layout, distopt)
     variants = {"megatron": base,
                 "form-1.0": base + ["--use-higgs", "--higgs-sync", form, "--higgs-compression-ratio", "1.0",
-                                    "--higgs-min-bucket-numel", "0"]}
+                                    "--higgs-min-bucket-numel", "0", "--higgs-payload", "wide"]}
     for out in run_ranks(train_variants_on_the_compressed_form, world_size, args=(variants,), timeout=400):
         assert out["forced"] > 0
         reference = out["params"]["megatron"]

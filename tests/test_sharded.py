@@ -14,9 +14,12 @@ CPU = torch.device("cpu")
 SLOTS = [ParamSlot(0, 1000), ParamSlot(1000, 1010), ParamSlot(1024, 5000), ParamSlot(5000, 5003)]
 
 
-def _exchange(plan: ShardedPlan, accs: list[torch.Tensor], density: float, payload=None, gather: bool = True):
+def _exchange(plan: ShardedPlan, accs: list[torch.Tensor], density: float, payload=None, gather: bool = True,
+              sum_density: float | None = None):
     """The protocol of ``reduce.sharded_reduce`` for every rank of a group in one process, the
-    collectives written out: (what each rank applies, what each rank keeps as residual)."""
+    collectives written out: (what each rank applies, what each rank keeps as residual). The
+    owners send back ``sum_density`` of their sums (default ``density``)."""
+    sum_density = density if sum_density is None else sum_density
     world, selector = plan.world, TopK()
     accs = [acc.clone() for acc in accs]
     always = torch.stack([plan.take_always(acc) for acc in accs]).sum(0)  # their all-reduce
@@ -29,14 +32,14 @@ def _exchange(plan: ShardedPlan, accs: list[torch.Tensor], density: float, paylo
         lo, hi = plan.bounds[rank]
         total = plan.sum_shard(rank, accs[rank].narrow(0, lo, hi - lo), received[rank], density, payload)
         if gather:
-            owner_rows.append(plan.compress_sum(rank, total, density, selector, payload=payload))
+            owner_rows.append(plan.compress_sum(rank, total, sum_density, selector, payload=payload))
             lefts[rank].narrow(0, lo, hi - lo).copy_(total)
         sums.append(total)
     applied = []
     for rank in range(world):
         target = torch.empty_like(accs[rank])
         if gather:  # the all-gather of the owners' rows
-            plan.add_gathered(target, torch.stack(owner_rows), density, payload)
+            plan.add_gathered(target, torch.stack(owner_rows), sum_density, payload)
         else:  # each rank holds its own shard's sum
             target.zero_()
             lo, hi = plan.bounds[rank]
@@ -119,3 +122,19 @@ def test_the_owner_sends_the_top_of_the_sum():
     applied, lefts = _exchange(plan, [a, b], 1 / 2048)  # one coordinate per shard
     assert applied[0].nonzero().view(-1).tolist() == [3001] and float(applied[0][3001]) == 3.0
     assert lefts[0].nonzero().view(-1).tolist() == [3001] and float(lefts[0][3001]) == 2.0
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_an_owner_that_sends_back_more_of_its_sum_keeps_less_and_conserves(world):
+    """``--higgs-sum-density-factor``: the owners send back twice the density of their sums.
+    What the group keeps shrinks (the sum holds the union of the ranks' choices), and applied
+    plus residuals is still what the ranks accumulated."""
+    plan = ShardedPlan(5003, SLOTS, 64, world, CPU, "int4")
+    accs = _accs(world)
+    kept = {}
+    for factor in (1, 2):
+        applied, lefts = _exchange(plan, accs, 0.25, sum_density=0.25 * factor)
+        gap = (applied[0] + torch.stack(lefts).sum(0) - torch.stack(accs).sum(0)).abs().max()
+        assert float(gap) < 1e-5, (factor, gap)
+        kept[factor] = float(sum(left.norm() ** 2 for left in lefts))
+    assert kept[2] < 0.8 * kept[1], kept

@@ -43,9 +43,9 @@ def test_hierarchical_plans_this_ranks_slice_of_the_node_reduced_bucket():
     assert [(u.start, u.end) for u in paths.plan.units] == [(0, NUMEL - 3 * size)]  # the second weight's tail
 
 
-def test_auto_plans_both_forms_only_across_nodes_with_several_ranks_each():
-    assert set(_plan(ONE_NODE).candidates) == {"sparse"}  # not 'agreed': auto weighs no loss
-    assert set(_plan(TWO_NODES).candidates) == {"sparse", "hierarchical"}
+def test_auto_plans_the_hierarchical_form_only_across_nodes_with_several_ranks_each():
+    assert set(_plan(ONE_NODE).candidates) == {"sparse", "sharded"}  # not 'agreed': auto weighs no loss
+    assert set(_plan(TWO_NODES).candidates) == {"sparse", "sharded", "hierarchical"}
 
 
 def test_choose_form_keeps_the_cheaper_form_and_paths_follow_the_link():
@@ -54,13 +54,14 @@ def test_choose_form_keeps_the_cheaper_form_and_paths_follow_the_link():
     paths = _plan(TWO_NODES)
     entry = choose_form(paths, slow, 0.01)
     assert set(paths.candidates) == {"hierarchical"} and paths.slice is not None  # slow across, fast inside
-    assert entry["path"] == "hierarchical" and set(entry["predicted_ms"]) == {"dense", "sparse", "hierarchical"}
+    assert entry["path"] == "hierarchical" and set(entry["predicted_ms"]) == {"dense", "sparse", "sharded",
+                                                                              "hierarchical"}
     assert path_at(paths, 0.01, slow) == "hierarchical"
 
     fast = LinkCosts.assumed(400.0, 8, 8, False, compress_seconds_per_element=1e-8)
     flat = _plan(ONE_NODE)
     entry = choose_form(flat, fast, 0.01)
-    assert flat.form == "sparse" and entry["path"] == "dense"  # the form is kept, the path is dense
+    assert flat.form == "sharded" and entry["path"] == "dense"  # the form is kept, the path is dense
     assert path_at(flat, 0.01, fast) == "dense" and path_at(flat, 1.0, fast) == "dense"
     assert flat.paths == {0.01: "dense", 1.0: "dense"}  # decided once per density
 
@@ -105,11 +106,37 @@ def test_the_sharded_forms_wire_per_rank_stays_flat_as_the_group_grows():
     assert plan(8, "sparse").form_wire(0.25) > 3.9 * plan(8, "sharded").form_wire(0.25)  # (P-1) against 2(P-1)/P
 
 
-def test_auto_on_a_slow_link_stays_dense_where_the_all_gather_would_send_more():
-    """At 1 Gbit/s a 5% payload is worth gathering from 7 peers, not from 63: at 64 ranks the
-    all-gather puts 63 payloads on each link, more than the dense all-reduce."""
-    for world, path in ((8, "sparse"), (64, "dense")):
+def test_auto_takes_the_all_gather_at_two_ranks_and_the_sharded_form_beyond():
+    """At 1 Gbit/s a 5% payload is worth gathering from 1 peer; from 7 it is not: each link
+    carries 7 payloads, where the sharded form's all-to-all and gather carry under 2 (and at 64
+    ranks the all-gather would carry more than the dense all-reduce). At two ranks both move the
+    same bytes and the all-gather, with fewer collectives, is kept (it lost less loss there)."""
+    for world, path in ((2, "sparse"), (8, "sharded"), (64, "sharded")):
         costs = LinkCosts.assumed(1.0, world, world, False, compress_seconds_per_element=0.0)
         paths = plan_bucket("b", NUMEL, torch.float32, SLOTS, HiggsConfig(link_gbps=1.0, min_bucket_numel=0),
                             NodeShape(1, world, 0), CPU, world=world)
         assert choose_form(paths, costs, 0.05)["path"] == path and path_at(paths, 0.05, costs) == path, world
+
+
+def test_auto_sends_a_dense_step_in_int8_only_where_the_cost_model_says_it_pays():
+    """--higgs-dense-int8 under 'auto': on a slow link the dense step goes as int8 through the
+    form (a quarter of the bytes); on a link fast enough that compressing costs more than it
+    saves, it stays Megatron's own dense step."""
+    config = HiggsConfig(link_gbps=1.0, min_bucket_numel=0, payload="int4", dense_int8=True)
+    for gbps, compress, pays in ((1.0, 1e-9, True), (400.0, 1e-7, False)):
+        costs = LinkCosts.assumed(gbps, 8, 8, False, compress_seconds_per_element=compress)
+        paths = plan_bucket("b", NUMEL, torch.float32, SLOTS, config, NodeShape(1, 8, 0), CPU, world=8)
+        choose_form(paths, costs, 0.25)
+        assert paths.dense_in_int8 and paths.int8_pays(costs) is pays and paths.int8_pays(None), gbps
+
+
+def test_an_owner_sending_back_more_of_its_sum_is_priced_so():
+    """--higgs-sum-density-factor 2: the gather of the owners' rows carries twice the density
+    (bitmap positions cost the same), the all-to-all the same; still flat in P and below dense."""
+    def wire(world, factor):
+        paths = plan_bucket("b", NUMEL, torch.float32, SLOTS, HiggsConfig(sync="sharded", min_bucket_numel=0,
+                                                                          payload="int4", sum_density_factor=factor),
+                            None, CPU, world=world)
+        return paths.form_wire(0.25) / paths.dense_wire()
+    for world in (8, 64):
+        assert 1.2 * wire(world, 1) < wire(world, 2) < 1.6 * wire(world, 1) < 0.2, world

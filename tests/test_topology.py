@@ -44,7 +44,8 @@ def _base(tiny_gpt_args, extra, iters):
                                     "--ddp-bucket-size", "20000"]
 
 
-HIERARCHICAL = ["--use-higgs", "--higgs-sync", "hierarchical", "--higgs-min-bucket-numel", "0"]
+HIERARCHICAL = ["--use-higgs", "--higgs-sync", "hierarchical", "--higgs-min-bucket-numel", "0", "--higgs-payload", "wide",
+                "--higgs-dense-iters", "0", "--higgs-density-warmup-iters", "0"]
 
 
 @pytest.mark.parametrize("optimizer", [
@@ -80,7 +81,8 @@ def test_hierarchical_sparse_sync_invariants(tiny_gpt_args):
         assert out["compressions_per_step"] == out["buckets"]
 
 
-AUTO = ["--use-higgs", "--higgs-sync", "auto", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.01"]
+AUTO = ["--use-higgs", "--higgs-sync", "auto", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.01",
+        "--higgs-payload", "wide", "--higgs-dense-iters", "0", "--higgs-density-warmup-iters", "0"]
 
 
 def test_auto_stays_dense_on_a_fast_link_and_compresses_on_a_slow_one(tiny_gpt_args):

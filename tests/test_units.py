@@ -238,13 +238,16 @@ def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclass
         for config_class in (HiggsConfig, OffloadConfig, CheckpointConfig, StabilityConfig):
             flagged = [f for f in fields(config_class) if "flag" in f.metadata]
             assert flagged and all(f.metadata["flag"] in parser._option_string_actions for f in flagged)
-            assert field_values(parser.parse_args([]), config_class) == {f.name: f.default for f in flagged}
+            # a schedule flag not given is None: the run derives its value (``schedule``)
+            assert field_values(parser.parse_args([]), config_class) == {
+                f.name: None if f.metadata["derived"] else f.default for f in flagged}
         args = parser.parse_args(["--higgs-compression-ratio", "0.05", "--no-higgs-error-feedback", "--higgs-offload",
                                   "--higgs-offload-threshold", "0.5", "--no-higgs-pin-memory"])
-        assert higgs_config_from_args(args) == HiggsConfig(compression_ratio=0.05, error_feedback=False)
+        assert higgs_config_from_args(args, 100, 10) == HiggsConfig(
+            compression_ratio=0.05, error_feedback=False, payload="int4", dense_iters=10, density_warmup_iters=5)
         assert offload_config_from_args(args) == OffloadConfig(threshold=0.5, pin_memory=False)
         with pytest.raises(ValueError, match="--higgs-compression-ratio"):
-            higgs_config_from_args(parser.parse_args(["--higgs-compression-ratio", "2"]))
+            higgs_config_from_args(parser.parse_args(["--higgs-compression-ratio", "2"]), 100, 10)
         args = parser.parse_args(["--save", "/s", "--recovery-mode", "reshard", "--checkpoint-interval", "30",
                                   "--async-checkpoint", "--inject-fault", "hang@0:2", "--inject-fault", "nan@1:3"])
         assert checkpoint_config_from_args(args) == CheckpointConfig(recovery_mode="reshard", checkpoint_interval=30.0,

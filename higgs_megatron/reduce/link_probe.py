@@ -65,6 +65,10 @@ def _collective(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.
         piece = torch.zeros(numel, device=device)
         out = torch.empty(numel * n, device=device)
         return lambda: dist.all_gather_into_tensor(out, piece, group=group)
+    if kind == "all_to_all":  # the whole buffer handed in, 1/n of it to each rank
+        buffer = torch.zeros(numel, device=device)
+        out = torch.empty(numel, device=device)
+        return lambda: dist.all_to_all_single(out, buffer, group=group)
     raise ValueError(kind)
 
 
@@ -107,7 +111,7 @@ def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, di
     hierarchy = nodes is not None and nodes.nodes > 1 and (nodes.ranks_per_node > 1 or nodes.instances)
     if assume_gbps is None:
         probes = [("dense", "reduce_scatter" if distributed_optimizer else "all_reduce", dp_group),
-                  ("gather", "all_gather", dp_group)]
+                  ("gather", "all_gather", dp_group), ("all_to_all", "all_to_all", dp_group)]
         if hierarchy:
             probes += [("node_scatter", "reduce_scatter", nodes.intra), ("cross_gather", "all_gather", nodes.inter),
                        ("node_gather", "all_gather", nodes.intra)]

@@ -9,8 +9,8 @@ Per bucket and step, every rank makes the same calls with the same sizes:
 2. ``finish`` (after ``wait``): the owner sums its shard in fp32, in rank order: its own
    accumulated gradient there (never sent) and the P-1 rows it received. With the
    distributed optimizer that sum is the shard of the bucket the optimizer reads, written
-   into it; nothing more goes out. Without it, the owner selects the top ``density`` of its
-   sum, keeps the rest in its own residual (so what it drops reaches a later step: error
+   into it; nothing more goes out. Without it, the owner selects the top ``sum_density``
+   (``density`` unless given) of its sum, keeps the rest in its own residual (so what it drops reaches a later step: error
    feedback on the sum), and an all-gather brings every owner's row to every rank, which
    decodes them into their shards: the same bytes, so the same gradient, on every rank. Wire:
    (P-1) rows of about 1/P of a flat payload. The small parameters' sums go in last.
@@ -53,6 +53,7 @@ class PendingSharded:
     target: torch.Tensor
     gather: bool  # False: only this rank's shard of ``target`` is wanted (the distributed optimizer's)
     always_work: object
+    sum_density: float  # of the owner's selection of its sum (with ``gather``)
 
     def wait(self, waiter=None) -> None:
         """Wait for the all-to-all and the small parameters' all-reduce; ``waiter(work)``
@@ -62,8 +63,10 @@ class PendingSharded:
     def give_up(self, waiter) -> None:
         """The step's sync was given up: the all-gather every rank issues still goes out."""
         if self.gather:
-            row = self.received.select(0, 0)
-            waiter(self.comm.all_gather(torch.empty_like(self.received).view(-1), row, self.group, async_op=True))
+            row = torch.zeros(self.plan.row_bytes(self.sum_density, self.target.dtype, self.payload),
+                              dtype=torch.uint8, device=self.received.device)
+            gathered = torch.empty(self.plan.world * row.numel(), dtype=torch.uint8, device=row.device)
+            waiter(self.comm.all_gather(gathered, row, self.group, async_op=True))
 
     def finish(self, waiter=None) -> None:
         self.wait(waiter)
@@ -74,19 +77,19 @@ class PendingSharded:
         if not self.gather:
             self.target.narrow(0, lo, hi - lo).copy_(total)
         else:
-            row = self.plan.compress_sum(rank, total, self.density, self.selector, self.key, self.payload)
+            row = self.plan.compress_sum(rank, total, self.sum_density, self.selector, self.key, self.payload)
             if self.residual is not None:  # what the owner did not send of the sum
                 self.residual.staged.narrow(0, lo, hi - lo).copy_(total)
             gathered = torch.empty(self.plan.world * row.numel(), dtype=torch.uint8, device=row.device)
             (waiter or plain_wait)(self.comm.all_gather(gathered, row, self.group, async_op=True))
-            self.plan.add_gathered(self.target, gathered.view(self.plan.world, -1), self.density, self.payload)
+            self.plan.add_gathered(self.target, gathered.view(self.plan.world, -1), self.sum_density, self.payload)
         self.target.index_copy_(0, self.plan.always_positions, self.always)
 
 
 def launch_sharded(comm: Collectives, plan: ShardedPlan, density: float, payload: Payload, selector: Selector,
                    key: object, rows: torch.Tensor, always: torch.Tensor, residual: ResidualBuffer | None,
-                   target: torch.Tensor, group: dist.ProcessGroup, gather: bool, async_op: bool = True
-                   ) -> PendingSharded:
+                   target: torch.Tensor, group: dist.ProcessGroup, gather: bool, async_op: bool = True,
+                   sum_density: float | None = None) -> PendingSharded:
     """Start step 1 for ``rows`` (``ShardedPlan.compress_rows``, row j for rank j) and the small
     parameters' values ``always`` (summed in place); the caller later calls ``finish()`` on
     what this returns."""
@@ -96,4 +99,4 @@ def launch_sharded(comm: Collectives, plan: ShardedPlan, density: float, payload
     always_work = comm.all_reduce(always, group, async_op=async_op) if always.numel() else None
     return PendingSharded(comm, group, plan, density, payload, selector, key, received, always,
                           work if async_op else None, residual, target, gather,
-                          always_work if async_op else None)
+                          always_work if async_op else None, density if sum_density is None else sum_density)

@@ -165,8 +165,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
               "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads", "num_distributed_optimizer_instances",
               "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last", "higgs_step_timeout")
-    for check in (_check_higgs, _check_checkpoints, _check_optimizer, _check_stability, _check_memory,
-                  _check_recompute, _check_layout, _check_model, _check_schedule, _check_data, _check_runtime):
+    # The compressed sync's schedule is derived from the LR schedule's: after it.
+    for check in (_check_checkpoints, _check_optimizer, _check_stability, _check_memory, _check_recompute,
+                  _check_layout, _check_model, _check_schedule, _check_higgs, _check_data, _check_runtime):
         check(args, world_size)
     return args
 
@@ -179,7 +180,8 @@ def _check_higgs(args: argparse.Namespace, world_size: int) -> None:
             raise UsageError(f"{', '.join(given)}: only with --use-higgs (the compressed sync's settings; "
                              "without --use-higgs it is off)")
     try:
-        args.higgs_config = higgs_config_from_args(args) if args.use_higgs else None
+        args.higgs_config = (higgs_config_from_args(args, args.train_iters, args.lr_warmup_iters)
+                             if args.use_higgs else None)
     except ValueError as error:
         raise UsageError(str(error)) from None
 

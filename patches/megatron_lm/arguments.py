@@ -76,6 +76,21 @@ def _higgs_only_flags_given(args: argparse.Namespace) -> list[str]:
     return flags_given(args, add_patch_args(argparse.ArgumentParser()), skip=("use_higgs", _WEIGHT_HASH_DEST))
 
 
+def run_length(args: argparse.Namespace) -> tuple[int, int]:
+    """(training iterations, learning-rate warm-up iterations) of a Megatron-LM run, as its
+    scheduler counts them: ``--train-iters``, or ``--train-samples`` over the global batch; the
+    warm-up from ``--lr-warmup-fraction`` of the decay, ``--lr-warmup-iters`` or
+    ``--lr-warmup-samples``. What the compressed sync's derived schedule is cut from."""
+    batch = max(1, getattr(args, "global_batch_size", None) or 1)
+    iters = getattr(args, "train_iters", None) or (getattr(args, "train_samples", None) or 0) // batch
+    decay = getattr(args, "lr_decay_iters", None) or (getattr(args, "lr_decay_samples", None) or 0) // batch or iters
+    if getattr(args, "lr_warmup_fraction", None) is not None:
+        return iters, int(args.lr_warmup_fraction * decay)
+    if getattr(args, "lr_warmup_iters", None):
+        return iters, args.lr_warmup_iters
+    return iters, (getattr(args, "lr_warmup_samples", None) or 0) // batch
+
+
 def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
     """Check our flags against Megatron-LM's and map them onto it; the HiggsConfig, or None
     without --use-higgs. Raises ``PatchUsageError`` naming the flag; changes ``args`` only
@@ -87,7 +102,7 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
                                   "runs exactly as unpatched)")
         return None
     try:
-        config = higgs_config_from_args(args)
+        config = higgs_config_from_args(args, *run_length(args))
     except ValueError as error:
         raise PatchUsageError(str(error)) from None
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
