@@ -155,3 +155,38 @@ def test_flags_given_reads_the_parser_not_a_list():
     assert flags_given(parser.parse_args(["--no-x", "--ratio", "0.7", "--limit", "1"]), parser) == [
         "--ratio", "--no-x", "--limit"]
     assert flags_given(parser.parse_args(["--no-x"]), parser, skip=("x",)) == []
+
+
+def test_use_higgs_alone_derives_its_schedule_from_the_run():
+    """``--use-higgs`` alone: a quarter of the coordinates in int4, a dense int8 stage as long as
+    the learning-rate warm-up, a ramp over a twentieth of the run; a schedule flag given
+    overrides its value alone (an explicit 0 included)."""
+    def config(*flags):
+        return parse_args(["--train-iters", "300", "--use-higgs", *flags], world_size=2).higgs_config
+
+    alone = config()
+    assert (alone.compression_ratio, alone.payload, alone.dense_iters, alone.density_warmup_iters,
+            alone.dense_int8, alone.sync) == (0.25, "int4", 30, 15, True, "auto")
+    assert config("--lr-warmup-iters", "50").dense_iters == 50
+    overridden = config("--higgs-dense-iters", "0", "--higgs-compression-ratio", "0.1")
+    assert (overridden.dense_iters, overridden.compression_ratio, overridden.payload) == (0, 0.1, "int4")
+    assert not config("--no-higgs-dense-int8").dense_int8
+    assert not config("--higgs-dense-bf16").dense_int8 and config("--higgs-dense-bf16").dense_bf16
+    assert not config("--higgs-payload", "wide").dense_int8
+    assert not config("--higgs-compressor", "none").dense_int8
+
+
+def test_a_megatron_lm_runs_length_counts_as_its_scheduler_does():
+    import argparse
+
+    from patches.megatron_lm.arguments import run_length
+
+    def length(**given):
+        base = dict(train_iters=None, train_samples=None, global_batch_size=8, lr_decay_iters=None,
+                    lr_decay_samples=None, lr_warmup_fraction=None, lr_warmup_iters=0, lr_warmup_samples=0)
+        return run_length(argparse.Namespace(**{**base, **given}))
+
+    assert length(train_iters=1000, lr_warmup_iters=100) == (1000, 100)
+    assert length(train_iters=1000, lr_warmup_fraction=0.05) == (1000, 50)
+    assert length(train_iters=1000, lr_decay_iters=800, lr_warmup_fraction=0.1) == (1000, 80)
+    assert length(train_samples=8000, lr_warmup_samples=800) == (1000, 100)
