@@ -7,7 +7,9 @@ the links measure fast, and 'auto' would rightly stay dense). The schedule is th
 coordinates in int4, a dense int8 stage as long as the learning-rate warm-up, a short ramp),
 and the form the one 'auto' picks for this many ranks. Each run writes ``--log-json`` into
 ``--out``; one table compares them: final validation loss, tokens/s, wire bytes per rank per
-step and over the run at this P against dense's.
+step and over the run at this P against dense's, and the same run's wire bytes over the run
+projected to P = 64 and 1,024 (counted on torch's fake process group, ``project_wire.py``:
+the same model, schedule and 'auto' at that P).
 
     python scripts/demo.py [--nproc 2] [--train-iters 300] [--link-gbps 1] [--out runs/demo]
 """
@@ -19,7 +21,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from higgs_megatron.benchmarks import REPO, markdown_table, run_pretrain, summarize  # noqa: E402
+from project_wire import projected_ratio  # noqa: E402
+
+PROJECTED = (64, 1024)
 
 
 def main() -> int:
@@ -43,10 +49,14 @@ def main() -> int:
         rows[name] = summarize(log)
     print()
     dense = next(iter(rows.values()))
-    for row in rows.values():
+    for (name, flags), row in zip(configurations.items(), rows.values()):
         row["loss vs dense"] = row["final validation loss"] / dense["final validation loss"]
+        for size in PROJECTED:
+            print(f"== {name}: wire bytes over the run at P={size:,} (fake process group)", flush=True)
+            row[f"wire at P={size:,} vs dense"] = projected_ratio(size, common + flags) if flags else 1.0
     print(markdown_table(rows, ["iterations", "final validation loss", "loss vs dense", "tokens/s", "step time (ms)",
-                                "wire bytes per step at the end", "wire over the run vs dense"],
+                                "wire bytes per step at the end", "wire over the run vs dense",
+                                *(f"wire at P={size:,} vs dense" for size in PROJECTED)],
                          baseline="megatron-ddp (dense)"))
     return 0
 

@@ -102,6 +102,15 @@ def _child(world_size: int, argv: list[str]) -> dict:
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
+def projected_ratio(world_size: int, flags: list[str]) -> float:
+    """Wire bytes per rank over the run of pretrain ``flags`` at ``world_size`` ranks against
+    Megatron's dense reduction's, counted on the fake group (one sample per rank)."""
+    counted = _child(world_size, flags + ["--micro-batch-size", "1", "--global-batch-size", str(world_size),
+                                          "--eval-iters", "0", "--num-threads", "1"])
+    wire, dense = counted["run"]
+    return wire / dense
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="2,8,64,1024", help="comma-separated DP sizes")

@@ -250,9 +250,6 @@ class VirtualTrainer(Trainer):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.log.is_writer = True  # the fake group's rank 0 is the only process: it writes
-        if self.log._json is None and args.log_json:
-            self.log._json = open(args.log_json, "a", buffering=1)
         ddp = self.model[0]
         # The sync runs after the passes of every rank, here, not inside Megatron's schedule:
         # nothing finishes it there, and no backward hook starts it (``_forward_backward``
@@ -264,6 +261,9 @@ class VirtualTrainer(Trainer):
         self.hub = Hub(self.dp_size)
         self.ranks = [VirtualRank(ddp, rank, self.hub) for rank in range(self.dp_size)]
         self.pool = ThreadPoolExecutor(max_workers=self.dp_size)
+
+    def writes_logs(self) -> bool:
+        return True  # the fake group's rank 0 is the only process: it writes
 
     def _forward_backward(self, consumed_samples: int, forward_only: bool, dataset, poison: bool = False) -> list[dict]:
         ddp, losses = self.model[0], []

@@ -95,7 +95,7 @@ class Trainer:
         setup_logging()
         self.args = args
         self.rank = dist.get_rank()
-        is_writer = self.rank == dist.get_world_size() - 1
+        is_writer = self.writes_logs()
         self.log = MetricsLogger(is_writer=is_writer, log_json=args.log_json,
                                  callbacks=(callbacks_from_args(args) if is_writer else []) + list(callbacks or []))
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -175,6 +175,11 @@ class Trainer:
         self._saved_at = self.iteration
         self.failed_saves = 0  # in a row
         self.wall_clock = WallClockInterval(args.checkpoint_interval) if args.checkpoint_interval else None
+
+    def writes_logs(self) -> bool:
+        """Whether this process writes the log lines and records: the last rank (the last
+        pipeline stage's, which holds the loss)."""
+        return self.rank == dist.get_world_size() - 1
 
     def _log_sync_plan(self) -> None:
         """What --higgs-sync auto measured and chose, per bucket (the logging rank's stage)."""
