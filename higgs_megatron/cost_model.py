@@ -102,7 +102,8 @@ class LinkCosts:
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        names = {"dense": "dense", "gather": "all-gather", "all_to_all": "all-to-all", "node_scatter": "node reduce-scatter",
+        names = {"dense": "dense", "gather": "all-gather", "all_to_all": "all-to-all",
+                 "node_scatter": "node reduce-scatter",
                  "cross_gather": "cross-node all-gather", "node_gather": "node all-gather"}
         parts = [f"{label} {cost.gbps:.2f} Gbit/s + {cost.latency_s * 1e3:.2f} ms"
                  for name, label in names.items() if (cost := getattr(self, name)) is not None]
@@ -134,7 +135,8 @@ def predict(costs: LinkCosts, shape: BucketShape) -> dict[str, float]:
     if shape.flat_payload_bytes is not None:
         predicted["sparse"] = shape.numel * per_element + costs.gather.seconds(shape.flat_payload_bytes)
     if shape.shard_row_bytes is not None and costs.all_to_all is not None:
-        predicted["sharded"] = (shape.numel * per_element + costs.all_to_all.seconds(shape.shards * shape.shard_row_bytes)
+        predicted["sharded"] = (shape.numel * per_element
+                                + costs.all_to_all.seconds(shape.shards * shape.shard_row_bytes)
                                 + (costs.gather.seconds(shape.gather_row_bytes) if shape.gather_rows else 0.0)
                                 + (costs.dense.seconds(shape.always_bytes) if shape.always_bytes else 0.0))
     if costs.has_hierarchy and shape.slice_payload_bytes is not None:

@@ -3,6 +3,8 @@
 For each gradient bucket, ``plan_bucket`` decides once, at construction:
 
 * its compressed **forms**: ``sparse`` (the flat all-gather reduction over the DP group),
+  ``sharded`` (each rank's own top-k per shard to its owner by an all-to-all, the owners' top-k
+  of their sums gathered back: ``compress.sharded``; with ``sparse``, auto's flat forms),
   ``agreed`` (every rank sends the same coordinates, summed by an all-to-all: ``compress.agreed``) and,
   where the DP group spans several nodes with several ranks each, ``hierarchical`` (dense
   inside the node, this rank's slice compressed across nodes); with several distributed-

@@ -10,10 +10,11 @@ Per bucket and step, every rank makes the same calls with the same sizes:
    accumulated gradient there (never sent) and the P-1 rows it received. With the
    distributed optimizer that sum is the shard of the bucket the optimizer reads, written
    into it; nothing more goes out. Without it, the owner selects the top ``sum_density``
-   (``density`` unless given) of its sum, keeps the rest in its own residual (so what it drops reaches a later step: error
-   feedback on the sum), and an all-gather brings every owner's row to every rank, which
-   decodes them into their shards: the same bytes, so the same gradient, on every rank. Wire:
-   (P-1) rows of about 1/P of a flat payload. The small parameters' sums go in last.
+   (``density`` unless given) of its sum, keeps the rest in its own residual (so what it
+   drops reaches a later step: error feedback on the sum), and an all-gather brings every
+   owner's row to every rank, which decodes them into their shards: the same bytes, so the
+   same gradient, on every rank. Wire: (P-1) rows of about 1/P of a flat payload (at
+   ``sum_density``). The small parameters' sums go in last.
 
 Stream order (CUDA): the rows are made on the current stream before the launch, and NCCL's
 stream waits for it; ``finish`` runs after ``wait`` on the current stream, as the sparse path's
