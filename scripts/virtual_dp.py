@@ -19,10 +19,15 @@ What a step costs: the forward and backward passes of the global batch, as singl
 training on it, plus P ranks' compression. Loss, wire bytes and validation go to the pretrain
 script's log line and ``--log-json``, as a real run writes them (``Trainer``'s own loop).
 
-Not covered: the distributed optimizer (its step updates one rank's shard; one optimizer here
-stands for all), ``--higgs-sync auto`` and ``hierarchical`` (they measure links and nodes the
-fake group does not have), pipeline or tensor parallelism (one model stands for a replica),
-and a step skipped on a non-finite gradient (the optimizer's vote sees no rank's flag).
+With the distributed optimizer each rank's sync leaves only its own shard of every bucket
+reduced (Megatron's reduce-scatter, or the sharded form's owner sum): the model takes shard r
+from rank r, and one optimizer over every parameter, Megatron's own non-distributed one,
+stands for the P shards' optimizers (the same Adam, coordinate by coordinate).
+
+Not covered: several optimizer instances, ``--higgs-sync auto`` and ``hierarchical`` (they
+measure links and nodes the fake group does not have), pipeline or tensor parallelism (one
+model stands for a replica), and a step skipped on a non-finite gradient (the optimizer's vote
+sees no rank's flag).
 
     python scripts/virtual_dp.py --dp 64 [-- <pretrain flags, e.g. --use-higgs ... --log-json F>]
 """
@@ -249,7 +254,16 @@ class VirtualTrainer(Trainer):
     forward and backward pass run for every virtual rank in turn, and their sync at the end."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
+        # With the distributed optimizer, one optimizer over every parameter: Megatron's
+        # DistributedOptimizer on the fake group would update rank 0's shard only.
+        loop = sys.modules[Trainer.__module__]
+        build = loop.build_optimizer
+        loop.build_optimizer = lambda args_, model: build(
+            argparse.Namespace(**{**vars(args_), "use_distributed_optimizer": False}), model)
+        try:
+            super().__init__(args)
+        finally:
+            loop.build_optimizer = build
         ddp = self.model[0]
         # The sync runs after the passes of every rank, here, not inside Megatron's schedule:
         # nothing finishes it there, and no backward hook starts it (``_forward_backward``
@@ -282,18 +296,21 @@ class VirtualTrainer(Trainer):
         return losses
 
     def _sync(self) -> None:
-        """Every rank's sync, one thread each (they meet at the hub); the model takes the result,
-        which must be the same bytes on every rank."""
+        """Every rank's sync, one thread each (they meet at the hub); the model takes the result:
+        the same bytes on every rank, or with the distributed optimizer shard r from rank r."""
         futures = [self.pool.submit(self._sync_rank, rank) for rank in self.ranks]
         for future in futures:
             future.result()
         ddp = self.model[0]
-        for rank in self.ranks:
+        sharded = ddp.ddp_config.use_distributed_optimizer
+        for index, rank in enumerate(self.ranks):
             for bucket, twin in rank.pairs(ddp):
-                if rank is self.ranks[0]:
+                if sharded:  # Megatron's shards: the bucket is padded to a multiple of P
+                    bucket.grad_data.view(self.dp_size, -1)[index].copy_(twin.grad_data.view(self.dp_size, -1)[index])
+                elif index == 0:
                     bucket.grad_data.copy_(twin.grad_data)
                 elif not torch.equal(bucket.grad_data, twin.grad_data):
-                    raise RuntimeError(f"virtual rank {self.ranks.index(rank)} synced another gradient than rank 0")
+                    raise RuntimeError(f"virtual rank {index} synced another gradient than rank 0")
 
     def _sync_rank(self, rank: VirtualRank) -> None:
         try:
@@ -318,9 +335,9 @@ def check_supported(args: argparse.Namespace) -> None:
     if not args.use_higgs:
         raise UsageError("virtual_dp: pass --use-higgs (with --higgs-compressor none for Megatron's dense "
                          "reduction, run through the same harness)")
-    if args.use_distributed_optimizer:
-        raise UsageError("virtual_dp: --use-distributed-optimizer is not covered (its step updates one rank's "
-                         "shard; the harness's one optimizer stands for every rank)")
+    if args.num_distributed_optimizer_instances != 1:
+        raise UsageError("virtual_dp: --num-distributed-optimizer-instances is not covered (one level of "
+                         "data parallelism: the virtual group)")
     if args.higgs_config.sync in ("auto", "hierarchical") and args.higgs_config.compressor != "none":
         raise UsageError(f"virtual_dp: --higgs-sync {args.higgs_config.sync} measures links and nodes the "
                          "virtual group does not have; name a form (sparse, agreed, sharded)")

@@ -6,7 +6,7 @@ process; its sums follow gloo's ring order, so where the real run and the harnes
 same numbers they add them alike. Measured here: every loss of 50 steps within 5e-7 of the
 real run's (the loss's own reduction order), at 2 and 4 ranks, on the sharded, agreed,
 all-gathering and dense paths, through a dense int8 stage, a density ramp and the sampled
-selector."""
+selector, with and without the distributed optimizer."""
 
 from __future__ import annotations
 
@@ -23,9 +23,15 @@ SCHEDULE = ["--higgs-compression-ratio", "0.25", "--higgs-payload", "int4", "--h
 
 
 @pytest.mark.parametrize("world_size,form", [(2, "sharded"), (2, "sparse"), (4, "sharded"), (4, "agreed"),
-                                             (4, "none")])
+                                             (4, "none"), (4, "sharded-distopt"), (2, "none-distopt")])
 def test_the_virtual_group_trains_as_real_ranks_do(world_size, form, tiny_gpt_args):
+    """With the distributed optimizer the model takes each rank's shard, and Megatron's plain
+    optimizer over every parameter stands for the ranks' distributed one: the same Adam, but
+    the gradient norm summed in another order, so gradient clipping is off there (a clip
+    factor one bit apart flips a top-k choice a few steps on)."""
+    form, _, distopt = form.partition("-")
     flags = (["--higgs-compressor", "none"] if form == "none" else ["--higgs-sync", form] + SCHEDULE)
+    flags += ["--use-distributed-optimizer", "--clip-grad", "0"] if distopt else []
     argv = tiny_gpt_args + ["--train-iters", "50", "--global-batch-size", str(4 * world_size),
                             "--overlap-grad-reduce", "--ddp-bucket-size", "20000", "--use-higgs",
                             "--higgs-min-bucket-numel", "0", *flags]
@@ -36,13 +42,14 @@ def test_the_virtual_group_trains_as_real_ranks_do(world_size, form, tiny_gpt_ar
     assert max(gaps.values()) <= 1e-5, sorted(gaps.items(), key=lambda item: -item[1])[:5]
 
 
-@pytest.mark.parametrize("flags,named", [(["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+@pytest.mark.parametrize("flags,named", [(["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+                                          "--num-distributed-optimizer-instances"),
                                          (["--higgs-sync", "auto"], "--higgs-sync auto"),
                                          (["--tensor-model-parallel-size", "2"], "--tensor"),
                                          (["--save", "/nonexistent"], "--save")])
 def test_the_virtual_group_refuses_what_it_does_not_stand_for(flags, named, tiny_gpt_args, monkeypatch):
-    """E.g. the distributed optimizer: its step updates one rank's shard, and one optimizer
-    cannot stand for every rank. Refused before any training, naming the flag."""
+    """E.g. several optimizer instances: a second level of data parallelism the virtual group
+    does not have. Refused before any training, naming the flag."""
     monkeypatch.setenv("WORLD_SIZE", "4")  # as the fake group of 4 ranks sets it
     module = load_virtual_dp()
     args = parse_args(tiny_gpt_args + ["--train-iters", "2", "--use-higgs", "--higgs-sync", "sharded", *flags])
