@@ -7,7 +7,8 @@ dense run against its wire bytes per rank over the run over dense's, one line pe
 configuration through the sizes, with the goals drawn in (a sixteenth of dense's bytes; 1.01x
 of its loss at P = 2, 1.02x beyond). Prints the points as a markdown table too.
 
-    python scripts/plot_scale.py runs/virtual/p8 runs/virtual/p16 ... [--out docs/img/scale.png]
+    python scripts/plot_scale.py runs/virtual/p8 runs/virtual/p16 ... runs/virtual/distopt_p16@distopt
+                                 [--out docs/img/scale.png]
 
 Needs matplotlib (the ``bench`` extra).
 """
@@ -35,10 +36,12 @@ def data_parallel_size(log_json: Path) -> int:
 
 
 def points(directories: list[str]) -> dict[str, list[tuple[int, float, float]]]:
-    """{run name: [(P, loss vs dense, wire vs dense), ...]} over the directories (``DIR`` or
-    ``DIR=P`` for logs without their P), by P."""
+    """{run name: [(P, loss vs dense, wire vs dense), ...]} over the directories (``DIR``,
+    ``DIR=P`` for logs without their P, and ``...@LABEL`` to tell its runs apart from other
+    directories' runs of the same name), by P."""
     by_run: dict[str, list[tuple[int, float, float]]] = {}
     for spec in directories:
+        spec, _, label = spec.partition("@")
         path, _, given = spec.partition("=")
         directory = Path(path)
         dense = summarize(directory / "dense.jsonl")
@@ -47,14 +50,15 @@ def points(directories: list[str]) -> dict[str, list[tuple[int, float, float]]]:
             if log_json.stem == "dense":
                 continue
             row = summarize(log_json)
-            by_run.setdefault(log_json.stem, []).append(
+            by_run.setdefault(f"{log_json.stem} ({label})" if label else log_json.stem, []).append(
                 (size, row["final validation loss"] / dense["final validation loss"], row["wire over the run vs dense"]))
     return {name: sorted(values) for name, values in by_run.items()}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("directories", nargs="+", help="DIR, or DIR=P where its logs do not say P")
+    parser.add_argument("directories", nargs="+", help="DIR, DIR=P where its logs do not say P, and @LABEL after "
+                        "either to name its runs apart")
     parser.add_argument("--out", type=Path, default=Path("runs/scale.png"))
     args = parser.parse_args()
     setup_logging()
