@@ -200,6 +200,13 @@ class HiggsConfig:
             raise ConfigError("freeze_adam_variance", "freeze_adam_variance needs dense_iters > 0: the frozen second "
                               "moment is the one Adam learned in the dense stage")
 
+    @classmethod
+    def for_run(cls, train_iters: int, lr_warmup_iters: int, **given) -> "HiggsConfig":
+        """What ``--use-higgs`` gives a run of ``train_iters`` iterations with ``lr_warmup_iters``
+        of learning-rate warm-up (``schedule.derived_schedule``), ``given`` fields overriding:
+        the same schedule for a loop of one's own as for the two pretrain scripts."""
+        return cls(**derived_schedule(given, train_iters, lr_warmup_iters))
+
     def refresh_window(self, step: int) -> bool:
         """Whether ``step`` (0-based) is in a window of ``variance_refresh_iters``."""
         if not self.variance_refresh_iters or step < 2 * self.dense_iters:

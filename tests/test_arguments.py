@@ -190,3 +190,12 @@ def test_a_megatron_lm_runs_length_counts_as_its_scheduler_does():
     assert length(train_iters=1000, lr_warmup_fraction=0.05) == (1000, 50)
     assert length(train_iters=1000, lr_decay_iters=800, lr_warmup_fraction=0.1) == (1000, 80)
     assert length(train_samples=8000, lr_warmup_samples=800) == (1000, 100)
+
+
+def test_a_loop_of_ones_own_gets_the_same_derived_schedule():
+    """``HiggsConfig.for_run``: the schedule ``--use-higgs`` derives, for the Python API."""
+    from higgs_megatron.config import HiggsConfig
+
+    from_flags = parse_args(["--train-iters", "300", "--use-higgs", "--higgs-sync", "sparse"], world_size=2).higgs_config
+    assert HiggsConfig.for_run(300, 30, sync="sparse") == from_flags
+    assert HiggsConfig.for_run(300, 30, payload="wide").dense_int8 is False
