@@ -138,7 +138,9 @@ def predict(costs: LinkCosts, shape: BucketShape) -> dict[str, float]:
         predicted["sharded"] = (shape.numel * per_element
                                 + costs.all_to_all.seconds(shape.shards * shape.shard_row_bytes)
                                 + (costs.gather.seconds(shape.gather_row_bytes) if shape.gather_rows else 0.0)
-                                + (costs.dense.seconds(shape.always_bytes) if shape.always_bytes else 0.0))
+                                # an all-reduce: twice the dense probe where that is a reduce-scatter
+                                + ((1 if shape.gather_rows else 2) * costs.dense.seconds(shape.always_bytes)
+                                   if shape.always_bytes else 0.0))
     if costs.has_hierarchy and shape.slice_payload_bytes is not None:
         predicted["hierarchical"] = (costs.node_scatter.seconds(shape.bucket_bytes)
                                      + shape.slice_numel * per_element

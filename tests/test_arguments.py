@@ -199,3 +199,17 @@ def test_a_loop_of_ones_own_gets_the_same_derived_schedule():
     from_flags = parse_args(["--train-iters", "300", "--use-higgs", "--higgs-sync", "sparse"], world_size=2).higgs_config
     assert HiggsConfig.for_run(300, 30, sync="sparse") == from_flags
     assert HiggsConfig.for_run(300, 30, payload="wide").dense_int8 is False
+
+
+def test_a_megatron_lm_run_without_its_global_batch_yet_counts_one_micro_batch_per_replica():
+    """Our flags are checked before Megatron-LM fills --global-batch-size: its default then, a
+    micro-batch per data-parallel rank, is what samples are counted in."""
+    import argparse
+
+    from patches.megatron_lm.arguments import run_length
+
+    args = argparse.Namespace(train_iters=None, train_samples=16000, global_batch_size=None, micro_batch_size=4,
+                              world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                              context_parallel_size=1, lr_decay_iters=None, lr_decay_samples=None,
+                              lr_warmup_fraction=None, lr_warmup_iters=0, lr_warmup_samples=1600)
+    assert run_length(args) == (1000, 100)

@@ -138,3 +138,22 @@ def test_an_owner_that_sends_back_more_of_its_sum_keeps_less_and_conserves(world
         assert float(gap) < 1e-5, (factor, gap)
         kept[factor] = float(sum(left.norm() ** 2 for left in lefts))
     assert kept[2] < 0.8 * kept[1], kept
+
+
+def test_bf16_gradients_at_density_one_with_odd_shards_decode():
+    """A bf16 gradient, bf16 values, every coordinate sent (the implicit layout: an owner at
+    density 1), shards of odd length: the gathered rows decode into the bucket."""
+    plan = ShardedPlan(5002, [ParamSlot(0, 5002)], 64, 2, CPU, "bf16")
+    accs = [acc.to(torch.bfloat16) for acc in _accs(2, 5002)]
+    applied, lefts = _exchange(plan, accs, 1.0)
+    total = torch.stack([acc.float() for acc in accs]).sum(0)
+    assert torch.equal(applied[0], applied[1])
+    gap = (applied[0].float() + torch.stack([left.float() for left in lefts]).sum(0) - total).abs().max()
+    assert float(gap) < 0.05 * float(total.abs().max()), gap
+
+
+def test_a_ramp_keeps_a_few_layouts_not_one_per_step():
+    plan = ShardedPlan(5003, SLOTS, 64, 4, CPU, "int4")
+    for step in range(50):
+        plan.layout(0.25 ** (step / 50))
+    assert len(plan._layouts) <= 4

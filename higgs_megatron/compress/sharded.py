@@ -40,6 +40,9 @@ from .payload import Payload, SlotLayout, SparseGrad, payload_format, position_e
 from .selection import Selector
 
 
+_KEPT_LAYOUTS = 4  # a step's density, the owners' density, the dense steps' 1.0, and one to spare
+
+
 class ShardedPlan:
     """The selection units of a bucket of ``numel`` coordinates cut into ``world`` shards, and
     the one layout of every shard's row. Shards are Megatron's: ``ceil(numel / world)``
@@ -94,6 +97,8 @@ class ShardedPlan:
         coordinates. Where every piece sends every coordinate, a blocked format sends the whole
         shard in order (the implicit encoding)."""
         if density not in self._layouts:
+            if len(self._layouts) >= _KEPT_LAYOUTS:  # a ramp asks for a new density every step
+                del self._layouts[next(iter(self._layouts))]
             every = self.payload.blocked and any(self.pieces) and all(
                 k_of(piece.numel, density) == piece.numel for pieces in self.pieces for piece in pieces)
             k = self.shard if every else max(self.shard_k(shard, density) for shard in range(self.world))
@@ -155,7 +160,7 @@ class ShardedPlan:
         bytes]) decoded into its shard: the same bytes, so the same gradient, on every rank.
         The small parameters' sums are the caller's to put in."""
         decoded = (payload or self.payload).decode_rows(gathered, self.layout(density), target.dtype)
-        target.copy_(decoded.view(-1).narrow(0, 0, self.numel))
+        target.copy_(decoded.reshape(-1).narrow(0, 0, self.numel))  # (bf16 values decode as a strided view)
 
     def _as_rows(self, acc: torch.Tensor) -> torch.Tensor:
         """``acc`` as [world, shard]: a view, or a copy padded with zeros past the bucket's end."""

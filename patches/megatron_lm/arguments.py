@@ -23,6 +23,7 @@ silently ignored.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Callable
 
 from higgs_megatron.checkpoint.flags import add_rank_map_args, checkpoint_config_from_args
@@ -81,7 +82,12 @@ def run_length(args: argparse.Namespace) -> tuple[int, int]:
     scheduler counts them: ``--train-iters``, or ``--train-samples`` over the global batch; the
     warm-up from ``--lr-warmup-fraction`` of the decay, ``--lr-warmup-iters`` or
     ``--lr-warmup-samples``. What the compressed sync's derived schedule is cut from."""
-    batch = max(1, getattr(args, "global_batch_size", None) or 1)
+    batch = getattr(args, "global_batch_size", None)
+    if not batch:  # parsed, not yet validated: Megatron-LM's default, a micro-batch per data-parallel rank
+        model_parallel = (getattr(args, "tensor_model_parallel_size", 1) * getattr(args, "pipeline_model_parallel_size", 1)
+                          * getattr(args, "context_parallel_size", 1))
+        world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+        batch = (getattr(args, "micro_batch_size", None) or 1) * max(1, world // max(1, model_parallel))
     iters = getattr(args, "train_iters", None) or (getattr(args, "train_samples", None) or 0) // batch
     decay = getattr(args, "lr_decay_iters", None) or (getattr(args, "lr_decay_samples", None) or 0) // batch or iters
     if getattr(args, "lr_warmup_fraction", None) is not None:
