@@ -179,6 +179,13 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
     # beats from three ranks on (at two they move the same bytes, and ties go to the all-gather).
     forms = {"auto": ("sparse", "sharded", "hierarchical"), "sparse": ("sparse",), "agreed": ("agreed",),
              "sharded": ("sharded",), "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
+    if "sharded" in forms and config.payload == "wide" and dtype != torch.float32:
+        # The owner sums in fp32 and sends its sum back: wide values are sent in the gradient's
+        # dtype, so a narrower gradient would be read as another width on the way back.
+        if config.sync == "sharded":
+            raise ValueError(f"--higgs-sync sharded with --higgs-payload wide needs fp32 gradients (bucket {name} "
+                             f"reduces {dtype}): take a blocked payload (bf16, int8, int4) or reduce in fp32")
+        forms = tuple(form for form in forms if form != "sharded")
     instances = nodes is not None and nodes.instances
     if instances and forms:  # compressed across the instances only, whatever the sync mode
         forms = ("hierarchical",)

@@ -140,3 +140,15 @@ def test_an_owner_sending_back_more_of_its_sum_is_priced_so():
         return paths.form_wire(0.25) / paths.dense_wire()
     for world in (8, 64):
         assert 1.2 * wire(world, 1) < wire(world, 2) < 1.6 * wire(world, 1) < 0.2, world
+
+
+def test_the_sharded_form_refuses_wide_values_of_a_narrower_gradient():
+    """The owner sums in fp32 and sends the sum back in the payload's values: 'wide' values are
+    the gradient's dtype, so a bf16 bucket on the sharded form would be read as fp32 on the way
+    back. Named under 'sharded'; under 'auto' the all-gather stays its form."""
+    def plan(sync):
+        return plan_bucket("group0.bucket0", NUMEL, torch.bfloat16, SLOTS,
+                           HiggsConfig(sync=sync, payload="wide", min_bucket_numel=0), None, CPU, world=8)
+    with pytest.raises(ValueError, match="--higgs-payload wide needs fp32 gradients"):
+        plan("sharded")
+    assert set(plan("auto").candidates) == {"sparse"}
