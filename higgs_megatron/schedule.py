@@ -4,7 +4,7 @@ A user should not have to compose the schedule flag by flag. Each value below is
 ``--use-higgs`` takes when its flag is not given; a flag given overrides its value alone:
 
 * density ``0.25`` with the ``int4`` payload (a bitmap and 4-bit values, with a scale per span):
-  about a sixteenth of an fp32 gradient's bytes per compressed step. At a quarter of the
+  about a sixteenth of dense's wire bytes per rank per compressed step, at any P on the flat forms. At a quarter of the
   coordinates error feedback's bursts are a few steps long, and Adam can stay as it is;
 * a dense stage as long as the learning-rate warm-up (``--lr-warmup-iters``): the model and
   Adam's moments settle before error feedback's delays begin (1-bit Adam's warm-up stage);
@@ -17,7 +17,7 @@ A user should not have to compose the schedule flag by flag. Each value below is
 What depends on the links and the data-parallel size P is left to ``--higgs-sync auto``, the
 default: per bucket the cost model, from the links measured at start-up (or
 ``--higgs-link-gbps``) and P, keeps Megatron's dense reduction where compressing does not pay,
-the all-gather at two ranks, and the sharded form beyond, whose bytes per rank do not grow
+the all-gather at two ranks, and the sharded form beyond, whose wire bytes per rank do not grow
 with P.
 
 Pure: no process group, no flags.

@@ -4,7 +4,7 @@ Each directory is one ``scripts/bench_convergence.py --out DIR`` (real ranks or 
 P``) holding ``dense.jsonl`` and the compressed runs' logs; its P is read from the logs'
 ``setup_done`` event. For every compressed run, its final validation loss over the directory's
 dense run against its wire bytes per rank over the run over dense's, one line per
-configuration through the sizes, with the goals drawn in (a sixteenth of dense's bytes; 1.01x
+configuration through the sizes, with the goals drawn in (a sixteenth of dense's wire bytes per rank at that P; 1.01x
 of its loss at P = 2, 1.02x beyond). Prints the points as a markdown table too.
 
     python scripts/plot_scale.py runs/virtual/p8 runs/virtual/p16 ... runs/virtual/distopt_p16@distopt
