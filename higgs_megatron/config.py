@@ -135,7 +135,7 @@ class HiggsConfig:
     the top-k of the sum (``compress.sharded``: they do not either); 'dense' never compresses;
     'hierarchical' reduces densely inside each node and compresses only across nodes; 'auto' takes
     whichever of dense, sparse, sharded and hierarchical ``cost_model`` predicts fastest, from link
-    costs measured at start-up (the all-gather at two ranks, where they move the same bytes and it
+    costs measured at start-up (the all-gather at two ranks, where they put the same wire bytes per rank on the link and it
     loses less loss; the sharded form beyond; not 'agreed', which at the same density has lost
     more loss than both). Under
     every mode a step whose form would put no fewer bytes on the link than dense goes dense."""
@@ -220,10 +220,6 @@ class HiggsConfig:
         """Whether ``step`` (0-based) syncs dense: the dense stage (``dense_iters``), or a window of
         ``variance_refresh_iters``."""
         return step < self.dense_iters or self.refresh_window(step)
-
-    def sum_density(self, density: float) -> float:
-        """The sharded form's owner's density for a step at ``density``."""
-        return min(1.0, density * self.sum_density_factor)
 
     def density(self, step: int) -> float:
         """The density in force at ``step`` (0-based): 1 in the dense stage, then from 1 to the

@@ -174,6 +174,14 @@ class _Shared:
     average_over: int = 1  # the DP size, for average_in_collective on the summing paths
     comm: Collectives = field(default_factory=Collectives)  # every collective of the sync, counted
 
+    def take_stats(self) -> "SyncStats":
+        """The counts since the last call, with the compression time the device has finished
+        and the wire bytes the meter counted; they start again from zero."""
+        stats, self.stats = self.stats, SyncStats(density=self.stats.density)
+        stats.compress_seconds = self.compress_timer.seconds()
+        stats.wire_bytes = self.comm.meter.take().wire
+        return stats
+
     def wait(self, work) -> None:
         """Wait for one collective of this step's sync, as ``_GroupHandle`` says."""
         if self.abandoned:  # this step's sync is given up: wait for nothing more
@@ -520,6 +528,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         """Error feedback and this rank's rows, each shard's own top-k (``compress.sharded``),
         then the all-to-all and the small parameters' all-reduce (``reduce.sharded_reduce``)."""
         plan, residual = self.higgs_plans[idx], self.higgs_residuals[idx]
+        sum_density = self.higgs_buckets[idx].owner_density(density, payload)  # payload: DENSE_INT8 or None
         payload = payload or plan.payload
         group = self._communication_group
         with self.higgs.compress_timer.measure(grad.device):
@@ -531,7 +540,6 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                                       key=(self.higgs_index, idx), payload=payload,
                                       left=residual.staging() if residual is not None else None)
         gather = not self.ddp_config.use_distributed_optimizer
-        sum_density = density if payload is DENSE_INT8 else self.higgs.config.sum_density(density)
         launch.stats.bytes_sent += (rows.numel() + plan.always_bytes(grad.dtype)
                                     + (plan.row_bytes(sum_density, grad.dtype, payload) if gather else 0))
         launch.count(dense=payload is DENSE_INT8)
@@ -628,10 +636,7 @@ class HiggsDDP(DistributedDataParallel):
         """Bytes and compression time since the last call (call once per step). The time is
         that of the compressions the device has finished: it never waits for the device, so
         on a GPU a step's compression may be counted in the next call."""
-        stats, self._higgs.stats = self._higgs.stats, SyncStats(density=self._higgs.stats.density)
-        stats.compress_seconds = self._higgs.compress_timer.seconds()
-        stats.wire_bytes = self._higgs.comm.meter.take().wire
-        return stats
+        return self._higgs.take_stats()
 
     def trace_sync_order(self, enabled: bool = True) -> list[tuple[str, int]] | None:
         """Record ('start'|'finish', group index) events from now on; returns the live list."""

@@ -116,12 +116,16 @@ class BucketPaths:
         payload = DENSE_INT8 if int8 else None
         if isinstance(plan, ShardedPlan):
             row = plan.row_bytes(density, self.dtype, payload)
-            back = plan.row_bytes(density if int8 else min(1.0, density * self.sum_density_factor), self.dtype,
-                                  payload)
+            back = plan.row_bytes(self.owner_density(density, payload), self.dtype, payload)
             gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * back
             return (ring_factor("all_to_all", world) * world * row + gather
                     + ring_factor("all_reduce", world) * plan.always_bytes(self.dtype))
         return ring_factor("all_gather", world) * plan.payload_bytes(density, self.dtype, payload)
+
+    def owner_density(self, density: float, payload: Payload | None = None) -> float:
+        """The sharded form's owners' density for a step at ``density``: ``sum_density_factor``
+        times it, at most 1; a dense int8 step (``payload``) sends every coordinate back."""
+        return density if payload is not None else min(1.0, density * self.sum_density_factor)
 
     def int8_pays(self, costs: LinkCosts | None) -> bool:
         """Whether a dense step in int8 through the form (``dense_in_int8``) is worth its
@@ -160,8 +164,8 @@ class BucketPaths:
             else None,
             ranks_per_node=self.ranks_per_node if piece else 1,
             shard_row_bytes=sharded.row_bytes(density, self.dtype, payload) if sharded else None, shards=self.world,
-            gather_row_bytes=(sharded.row_bytes(density if payload is not None else min(
-                1.0, density * self.sum_density_factor), self.dtype, payload) if sharded else 0),
+            gather_row_bytes=sharded.row_bytes(self.owner_density(density, payload), self.dtype, payload)
+            if sharded else 0,
             always_bytes=sharded.always_bytes(self.dtype) if sharded else 0,
             gather_rows=not self.distributed_optimizer)
 
@@ -175,8 +179,8 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
     # 'auto' weighs time and bytes, not loss: at the same density the agreed blocks ended 5.9%
     # above dense's loss where the ranks' own top-k ended 0.9% (docs/compression.md), so it is
     # not one of auto's forms until it converges as well. The sharded form keeps each rank's own
-    # top-k, with bytes per rank flat in P: auto weighs it against the all-gather, which it
-    # beats from three ranks on (at two they move the same bytes, and ties go to the all-gather).
+    # top-k, with wire bytes per rank flat in P: auto weighs it against the all-gather, which it
+    # beats from three ranks on (at two they put the same wire bytes per rank on the link; ties go to the all-gather).
     forms = {"auto": ("sparse", "sharded", "hierarchical"), "sparse": ("sparse",), "agreed": ("agreed",),
              "sharded": ("sharded",), "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
     if "sharded" in forms and config.payload == "wide" and dtype != torch.float32:

@@ -241,13 +241,6 @@ class VirtualRank:
         for twin in self.groups:
             twin.finish_grad_sync()
 
-    def take_stats(self) -> SyncStats:
-        """As ``HiggsDDP.take_stats``: this rank's counts since the last call."""
-        stats, self.shared.stats = self.shared.stats, SyncStats(density=self.shared.stats.density)
-        stats.wire_bytes = self.shared.comm.meter.take().wire
-        stats.compress_seconds = self.shared.compress_timer.seconds()
-        return stats
-
 
 class VirtualTrainer(Trainer):
     """The pretrain script's ``Trainer`` (its loop, schedule, validation and logs), with each
@@ -322,7 +315,7 @@ class VirtualTrainer(Trainer):
     def _traffic(self) -> SyncStats:
         total = SyncStats()  # summed over the ranks, as the log's all-reduce over the group would
         for rank in self.ranks:
-            total.add(rank.take_stats())
+            total.add(rank.shared.take_stats())
         return total
 
     def close(self) -> None:

@@ -124,9 +124,11 @@ class ShardedPlan:
         packed = payload.pack_rows(sent, self.layout(density))
         packed.select(0, rank).zero_()
         if left is not None:
-            remains = self._left_after(rows, sent)
+            whole = self.world * self.shard == self.numel  # else ``rows`` is a padded copy
+            remains = self._left_after(rows, sent, left.view(self.world, self.shard) if whole else None)
             remains.select(0, rank).zero_()
-            left.copy_(remains.view(-1).narrow(0, 0, self.numel))
+            if not whole:
+                left.copy_(remains.view(-1).narrow(0, 0, self.numel))
         return packed
 
     def sum_shard(self, rank: int, own: torch.Tensor, received: torch.Tensor, density: float,
@@ -219,11 +221,13 @@ class ShardedPlan:
         return positions, real
 
     @staticmethod
-    def _left_after(rows: torch.Tensor, sent: SparseGrad) -> torch.Tensor:
-        """What is left of ``rows`` after sending ``sent`` (rounded): exact, as ``left_after``."""
+    def _left_after(rows: torch.Tensor, sent: SparseGrad, out: torch.Tensor | None = None) -> torch.Tensor:
+        """What is left of ``rows`` after sending ``sent`` (rounded), into ``out`` if given:
+        exact, as ``left_after``."""
+        out = torch.empty_like(rows) if out is None else out
         if sent.positions is None:  # every coordinate: the rounding is what is left
-            return rows - sent.values
-        return rows.clone().scatter_add_(1, sent.positions, sent.values.neg())
+            return torch.sub(rows, sent.values, out=out)
+        return out.copy_(rows).scatter_add_(1, sent.positions, sent.values.neg())
 
 
 def _pieces(slots: list[ParamSlot], lo: int, hi: int) -> list[ParamSlot]:
