@@ -167,7 +167,7 @@ class BucketPaths:
             gather_row_bytes=sharded.row_bytes(self.owner_density(density, payload), self.dtype, payload)
             if sharded else 0,
             always_bytes=sharded.always_bytes(self.dtype) if sharded else 0,
-            gather_rows=not self.distributed_optimizer)
+            gather_rows=not self.distributed_optimizer, nodes=self.nodes, dense_int8=payload is DENSE_INT8)
 
 
 def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot], config: HiggsConfig,

@@ -1,31 +1,35 @@
-"""Two-node benchmark on one machine: is --use-higgs faster than dense sync on a slow link?
+"""Nodes on one machine, each behind a shaped link: is --use-higgs faster than dense sync?
 
-Run through ``scripts/bench_two_nodes.sh`` (root, iproute2). Two network namespaces, "node
-a" (10.231.0.1) and "node b" (10.231.0.2), are joined by a veth pair; ``tc`` shapes both
-directions with a token bucket (1 Gbit/s, 10 Gbit/s) or leaves it unshaped. Each
-configuration is one ``torchrun --nnodes 2`` job per namespace (``GLOO_SOCKET_IFNAME`` on the
-veth), on the default corpus, same model, per-rank batch and iterations:
+Run through ``scripts/bench_two_nodes.sh`` (root, iproute2). Each "node" is a network
+namespace with one address on 10.231.0.0/24; its veth pair leads to a bridge in one more
+namespace, the switch. ``tc`` shapes both directions of every node's link with a token
+bucket (1 Gbit/s, 10 Gbit/s), as a NIC of that rate would, or leaves it unshaped. Each
+configuration is one ``torchrun --nnodes N`` job per namespace (``GLOO_SOCKET_IFNAME`` on the
+node's veth), on the default corpus, same model, per-rank batch and iterations:
 
 * ``megatron-ddp``: Megatron's own DDP (the dense baseline);
 * ``torch-ddp+fp16``: PyTorch DDP with its fp16 compression hook (``scripts/peer_torch_ddp.py``),
   the peer a user would pick instead;
-* ``higgs 1% auto`` and ``higgs 0.1% auto``: ``--use-higgs --higgs-sync auto`` (the cost
-  model measures the link at start-up and picks the path per bucket; its choices are
-  reported), with the sampled-threshold selector (on CPU the exact top-k alone costs a
-  third of the floor's step);
+* ``higgs``: ``--use-higgs`` and nothing else: the schedule it derives from the run (a dense
+  int8 stage over the learning-rate warm-up, a ramp, then 0.25 density in int4) and
+  ``--higgs-sync auto``, whose cost model measures the link at start-up and picks the path
+  per bucket (its choices are reported);
 * the floor, once: the same model and per-rank batch on one rank, no gradient traffic.
 
-Reported per link and configuration: median step time, tokens/s, ratios (tokens/s against
-Megatron DDP and the peer, step time against the floor, written like ``1.62x``), bytes
-handed to collectives per step, the sync share of the step (1 - floor / step: communication
-and compression the step waits for), validation loss at the end, and what ``auto`` chose.
+Reported per node count, link and configuration: median step time, tokens/s, ratios
+(tokens/s against Megatron DDP and the peer, step time against the floor, written like
+``1.62x``), wire bytes per rank per step at the end of the run (what a ring puts on one
+rank's link, at this number of ranks) and over the run against Megatron's dense reduction,
+the sync share of the step (1 - floor / step: communication and compression the step waits
+for), validation loss at the end, and what ``auto`` chose.
 
-    sudo scripts/bench_two_nodes.sh [--quick] [--train-iters 40] [--bandwidths 1gbit 10gbit unshaped]
+    sudo scripts/bench_two_nodes.sh [--quick] [--train-iters 40] [--bandwidths 1gbit 10gbit unshaped] [--nodes 2 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
@@ -43,10 +47,7 @@ PORT = 29731
 CONFIGURATIONS = {
     "megatron-ddp": ("pretrain", []),
     "torch-ddp+fp16": ("peer", ["--comm-hook", "fp16"]),
-    "higgs 1% auto": ("pretrain", ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-sync", "auto",
-                                   "--higgs-compressor", "sampled-topk"]),
-    "higgs 0.1% auto": ("pretrain", ["--use-higgs", "--higgs-compression-ratio", "0.001", "--higgs-sync", "auto",
-                                     "--higgs-compressor", "sampled-topk"]),
+    "higgs": ("pretrain", ["--use-higgs"]),
 }
 SCRIPTS = {"pretrain": REPO / "examples" / "pretrain_gpt.py", "peer": REPO / "scripts" / "peer_torch_ddp.py"}
 
@@ -55,31 +56,46 @@ def sh(*command: str) -> None:
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
-class TwoNodeLink:
-    """Two namespaces and the veth pair between them; ``close`` removes everything."""
+class NodeLinks:
+    """``nodes`` namespaces, each joined to a bridge in a switch namespace by its own veth pair;
+    leaving the ``with`` block removes everything (killing what still runs in them)."""
 
-    def __init__(self, prefix: str) -> None:
-        self.namespaces = (f"{prefix}a", f"{prefix}b")
-        self.interfaces = (f"{prefix}-a", f"{prefix}-b")
-        self.addresses = (f"{SUBNET}.1", f"{SUBNET}.2")
+    def __init__(self, prefix: str, nodes: int) -> None:
+        if not 2 <= nodes <= 200:
+            raise ValueError(f"--nodes: {nodes} is not between 2 and 200")
+        self.switch = f"{prefix}s"
+        self.namespaces = tuple(f"{prefix}n{i}" for i in range(nodes))
+        self.interfaces = tuple(f"{prefix}-{i}" for i in range(nodes))  # the node's end of its link
+        self.ports = tuple(f"{prefix}-p{i}" for i in range(nodes))  # the switch's end
+        self.addresses = tuple(f"{SUBNET}.{i + 1}" for i in range(nodes))
         self.created: list[str] = []
 
-    def __enter__(self) -> "TwoNodeLink":
-        for ns in self.namespaces:
-            sh("ip", "netns", "add", ns)
-            self.created.append(ns)
-        a, b = self.interfaces
-        sh("ip", "link", "add", a, "netns", self.namespaces[0], "type", "veth", "peer", "name", b,
-           "netns", self.namespaces[1])
-        for ns, interface, address in zip(self.namespaces, self.interfaces, self.addresses):
-            sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", interface)
-            sh("ip", "-n", ns, "link", "set", interface, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
+    def __enter__(self) -> "NodeLinks":
+        try:
+            for ns in (self.switch, *self.namespaces):
+                sh("ip", "netns", "add", ns)
+                self.created.append(ns)
+            sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for ns, interface, port, address in zip(self.namespaces, self.interfaces, self.ports, self.addresses):
+                sh("ip", "link", "add", interface, "netns", ns, "type", "veth", "peer", "name", port,
+                   "netns", self.switch)
+                sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+                sh("ip", "-n", self.switch, "link", "set", port, "up")
+                sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", interface)
+                sh("ip", "-n", ns, "link", "set", interface, "up")
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def shape(self, rate: str) -> None:
-        """Token-bucket both directions to ``rate`` (e.g. '1gbit'), or remove it ('unshaped')."""
-        for ns, interface in zip(self.namespaces, self.interfaces):
+        """Token-bucket both directions of every node's link to ``rate`` (e.g. '1gbit'): the
+        node's end shapes what it sends, the switch's end what it receives; 'unshaped' removes it."""
+        ends = [(ns, interface) for ns, interface in zip(self.namespaces, self.interfaces)]
+        ends += [(self.switch, port) for port in self.ports]
+        for ns, interface in ends:
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", interface, "root"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             if rate != "unshaped":
@@ -108,19 +124,20 @@ def _bits_per_second(rate: str) -> float:
     raise ValueError(f"--bandwidths: {rate!r} is not like 1gbit, 500mbit or unshaped")
 
 
-def run_two_nodes(link: TwoNodeLink, script: Path, flags: list[str], log_json: Path, ranks_per_node: int,
-                  timeout: float) -> None:
-    """One torchrun per namespace; both must succeed. The JSONL comes from the last rank (node b)."""
+def run_on_nodes(links: NodeLinks, script: Path, flags: list[str], log_json: Path, ranks_per_node: int,
+                 timeout: float) -> None:
+    """One torchrun per namespace; all must succeed. The JSONL comes from the last rank."""
     log_json.parent.mkdir(parents=True, exist_ok=True)
     log_json.unlink(missing_ok=True)
-    print(f"$ torchrun --nnodes 2 --nproc_per_node {ranks_per_node} {script.relative_to(REPO)} {' '.join(flags)}",
-          flush=True)
+    nodes = len(links.namespaces)
+    print(f"$ torchrun --nnodes {nodes} --nproc_per_node {ranks_per_node} {script.relative_to(REPO)} "
+          f"{' '.join(flags)}", flush=True)
     processes = []
-    for node, (ns, interface) in enumerate(zip(link.namespaces, link.interfaces)):
+    for node, (ns, interface) in enumerate(zip(links.namespaces, links.interfaces)):
         env = dict(os.environ, GLOO_SOCKET_IFNAME=interface, OMP_NUM_THREADS="1")
-        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
                    "--node_rank", str(node), "--nproc_per_node", str(ranks_per_node), "--master_addr",
-                   link.addresses[0], "--master_port", str(PORT), str(script), *flags, "--log-json", str(log_json)]
+                   links.addresses[0], "--master_port", str(PORT), str(script), *flags, "--log-json", str(log_json)]
         processes.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, text=True, start_new_session=True))
     deadline = time.monotonic() + timeout
@@ -138,7 +155,7 @@ def run_two_nodes(link: TwoNodeLink, script: Path, flags: list[str], log_json: P
 
 
 def auto_choice(log_json: Path) -> str:
-    """What --higgs-sync auto chose, from its start-up event: '13 sparse' or '12 dense, 1 sparse'."""
+    """What --higgs-sync auto chose, from its start-up event: '13 sparse' or '12 dense, 1 sharded'."""
     _, events = read_log(log_json)
     plans = [e for e in events if e["event"] == "higgs_sync_plan"]
     if not plans:
@@ -155,11 +172,17 @@ def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _log(out: Path, nodes: int, rate: str, index: int) -> Path:
+    # two nodes keep the names the script wrote before it took --nodes
+    return out / (f"{rate}-{index}.jsonl" if nodes == 2 else f"{nodes}n-{rate}-{index}.jsonl")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few-minute version: fewer iterations")
     parser.add_argument("--train-iters", type=int, default=None, help="iterations per run (default 40; --quick 12)")
     parser.add_argument("--bandwidths", nargs="+", default=["1gbit", "10gbit", "unshaped"])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[2], help="node counts to run (one namespace each)")
     parser.add_argument("--ranks-per-node", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "runs" / "two_nodes"))
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
@@ -171,54 +194,67 @@ def main() -> int:
             _bits_per_second(rate)
     iters = args.train_iters or (12 if args.quick else 40)
     out = Path(args.out)
-    world = 2 * args.ranks_per_node
     common = MODEL + ["--train-iters", str(iters), "--log-interval", str(max(1, iters // 4)),
-                      "--eval-interval", str(iters), "--eval-iters", "4", "--global-batch-size", str(4 * world)]
+                      "--eval-interval", str(iters), "--eval-iters", "4"]
     if not args.reuse:
         prefix = os.environ.get("HIGGS_BENCH_NS")
         if not prefix:
             raise SystemExit("bench_two_nodes.py: run it through scripts/bench_two_nodes.sh (root, namespaces)")
-        run_pretrain(MODEL + ["--train-iters", str(iters), "--log-interval", str(max(1, iters // 4)),
-                              "--eval-interval", str(iters), "--eval-iters", "4", "--global-batch-size", "4"],
-                     out / "floor.jsonl", nproc=1, quiet=True)
-        with TwoNodeLink(prefix) as link:
-            for rate in args.bandwidths:
-                link.shape(rate)
-                for i, (name, (script, flags)) in enumerate(CONFIGURATIONS.items()):
-                    run_two_nodes(link, SCRIPTS[script], common + flags, out / f"{rate}-{i}.jsonl",
-                                  args.ranks_per_node, args.timeout)
+        run_pretrain(common + ["--global-batch-size", "4"], out / "floor.jsonl", nproc=1, quiet=True)
+        for nodes in args.nodes:
+            world = nodes * args.ranks_per_node
+            with NodeLinks(prefix, nodes) as links:
+                for rate in args.bandwidths:
+                    links.shape(rate)
+                    for i, (script, flags) in enumerate(CONFIGURATIONS.values()):
+                        run_on_nodes(links, SCRIPTS[script], common + ["--global-batch-size", str(4 * world)] + flags,
+                                     _log(out, nodes, rate, i), args.ranks_per_node, args.timeout)
     floor = summarize(out / "floor.jsonl")["step time (ms)"]
     rows = []
-    for rate in args.bandwidths:
-        summaries = {name: summarize(out / f"{rate}-{i}.jsonl") for i, name in enumerate(CONFIGURATIONS)}
-        dense_loss = summaries["megatron-ddp"]["final validation loss"]
-        for i, (name, row) in enumerate(summaries.items()):
-            rows.append({
-                "link": rate, "configuration": name, "step (ms)": f"{row['step time (ms)']:,.0f}",
-                "tokens/s": f"{row['tokens/s']:,.0f}",
-                "vs megatron-ddp": f"{row['tokens/s'] / summaries['megatron-ddp']['tokens/s']:.2f}x",
-                "vs torch-ddp+fp16": f"{row['tokens/s'] / summaries['torch-ddp+fp16']['tokens/s']:.2f}x",
-                "step vs floor": f"{row['step time (ms)'] / floor:.2f}x",
-                "bytes sent/step": f"{row['bytes sent per step'] / 1e6:.2f} MB",
-                "sync share": f"{max(0.0, 1 - floor / row['step time (ms)']):.0%}",
-                "valid loss": f"{row['final validation loss']:.4f} ({row['final validation loss'] / dense_loss:.3f}x)",
-                "auto chose": auto_choice(out / f"{rate}-{i}.jsonl") if "auto" in name else "-",
-                "_tokens": row["tokens/s"],
-            })
+    for nodes in args.nodes:
+        for rate in args.bandwidths:
+            summaries = {name: summarize(_log(out, nodes, rate, i)) for i, name in enumerate(CONFIGURATIONS)}
+            dense, peer = summaries["megatron-ddp"], summaries["torch-ddp+fp16"]
+            for i, (name, row) in enumerate(summaries.items()):
+                rows.append({
+                    "nodes": nodes, "link": rate, "configuration": name, "step (ms)": f"{row['step time (ms)']:,.0f}",
+                    "tokens/s": f"{row['tokens/s']:,.0f}",
+                    "vs megatron-ddp": f"{row['tokens/s'] / dense['tokens/s']:.2f}x",
+                    "vs torch-ddp+fp16": f"{row['tokens/s'] / peer['tokens/s']:.2f}x",
+                    "step vs floor": f"{row['step time (ms)'] / floor:.2f}x",
+                    "wire/step at the end": _megabytes(row["wire bytes per step at the end"]),
+                    "wire over the run vs dense": _times(row["wire over the run vs dense"]),
+                    "sync share": f"{max(0.0, 1 - floor / row['step time (ms)']):.0%}",
+                    "valid loss": f"{row['final validation loss']:.4f} "
+                                  f"({row['final validation loss'] / dense['final validation loss']:.3f}x)",
+                    "auto chose": auto_choice(_log(out, nodes, rate, i)) if name == "higgs" else "-",
+                    "_tokens": row["tokens/s"],
+                })
     columns = [c for c in rows[0] if not c.startswith("_")]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
     floor_line = (f"floor: {floor:,.0f} ms/step (one rank, same model and per-rank batch, no gradient traffic); "
-                  f"{iters} iterations per run, {world} ranks as 2 nodes, model flags: {' '.join(MODEL)}")
+                  f"{iters} iterations per run, {args.ranks_per_node} rank(s) per node; wire bytes are per rank, "
+                  f"at that run's number of ranks (the peer's are not counted: -); model flags: {' '.join(MODEL)}")
     table = "\n".join(lines) + "\n\n" + floor_line + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "two_nodes.md").write_text(table)
     print(table)
-    plot(rows, args.bandwidths, floor, out / "two_nodes.png", tokens_per_step=4 * 128 * world)
+    plot(rows, args.bandwidths, args.nodes, floor, out / "two_nodes.png", tokens_per_rank_step=4 * 128,
+         ranks_per_node=args.ranks_per_node)
     return 0
 
 
-def plot(rows: list[dict], bandwidths: list[str], floor_ms: float, path: Path, tokens_per_step: int) -> None:
+def _megabytes(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value / 1e6:.2f} MB"
+
+
+def _times(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.3f}x"
+
+
+def plot(rows: list[dict], bandwidths: list[str], node_counts: list[int], floor_ms: float, path: Path,
+         tokens_per_rank_step: int, ranks_per_node: int) -> None:
     try:
         import matplotlib
 
@@ -227,15 +263,19 @@ def plot(rows: list[dict], bandwidths: list[str], floor_ms: float, path: Path, t
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install 'higgs-megatron[bench]')")
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in CONFIGURATIONS:
-        ax.plot(bandwidths, [r["_tokens"] for r in rows if r["configuration"] == name], marker="o", label=name)
-    ax.axhline(tokens_per_step * 1000 / floor_ms, color="grey", linestyle="--", label="floor x ranks (no traffic)")
-    ax.set_xlabel("link between the two nodes")
-    ax.set_ylabel("tokens/s (whole job)")
-    ax.set_title("two nodes on a shaped veth link, CPU, gloo")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, len(node_counts), figsize=(6 * len(node_counts), 4.5), squeeze=False)
+    for ax, nodes in zip(axes[0], node_counts):
+        for name in CONFIGURATIONS:
+            ax.plot(bandwidths, [r["_tokens"] for r in rows if r["configuration"] == name and r["nodes"] == nodes],
+                    marker="o", label=name)
+        ranks = nodes * ranks_per_node
+        ax.axhline(tokens_per_rank_step * ranks * 1000 / floor_ms, color="grey", linestyle="--",
+                   label="floor x ranks (no traffic)")
+        ax.set_xlabel("each node's link")
+        ax.set_ylabel("tokens/s (whole job)")
+        ax.set_title(f"{nodes} nodes on shaped veth links, CPU, gloo")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path.with_suffix('.md')} and {path}")

@@ -1,8 +1,11 @@
 """The README's main job: the same GPT trained on the default corpus, dense and with --use-higgs.
 
 Runs ``examples/pretrain_gpt.py`` under torchrun twice: Megatron's own DDP, then ``--use-higgs``
-with nothing else but the link it should assume (``--higgs-link-gbps``, default 1: on one host
-the links measure fast, and 'auto' would rightly stay dense). The schedule is the one
+with nothing else but the link it should assume (``--higgs-link-gbps``, default 0.1). On one
+host the links measure fast, and 'auto' would rightly stay dense; and a CPU computes,
+compresses and decodes about a hundred times slower than a GPU, so at 1 Gbit/s 'auto' finds
+top-k costing more than it saves here and sends every step dense in int8. A tenth of a
+Gbit/s keeps the balance of compute and link that a GPU sees at about 10 Gbit/s. The schedule is the one
 ``--use-higgs`` derives from the run (``higgs_megatron.schedule``: a quarter of the
 coordinates in int4, a dense int8 stage as long as the learning-rate warm-up, a short ramp),
 and the form the one 'auto' picks for this many ranks. Each run writes ``--log-json`` into
@@ -11,7 +14,7 @@ step and over the run at this P against dense's, and the same run's wire bytes o
 projected to P = 64 and 1,024 (counted on torch's fake process group, ``project_wire.py``:
 the same model, schedule and 'auto' at that P).
 
-    python scripts/demo.py [--nproc 2] [--train-iters 300] [--link-gbps 1] [--out runs/demo]
+    python scripts/demo.py [--nproc 2] [--train-iters 300] [--link-gbps 0.1] [--out runs/demo]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--train-iters", type=int, default=300)
-    parser.add_argument("--link-gbps", type=float, default=1.0, help="the link --use-higgs assumes (Gbit/s)")
+    parser.add_argument("--link-gbps", type=float, default=0.1, help="the link --use-higgs assumes (Gbit/s)")
     parser.add_argument("--out", default=str(REPO / "runs" / "demo"))
     args = parser.parse_args()
     common = ["--train-iters", str(args.train_iters), "--log-interval", "20",

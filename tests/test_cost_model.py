@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from higgs_megatron.cost_model import BucketShape, CollectiveCost, LinkCosts, cheapest, predict
+from higgs_megatron.cost_model import BucketShape, CodecCost, CollectiveCost, LinkCosts, cheapest, predict
 
 
 def test_fit_recovers_latency_and_slope_and_clamps():
@@ -66,3 +66,32 @@ def test_hierarchical_wins_when_nodes_are_fast_inside_and_slow_between():
     # The same nodes with slow links inside too: the node's dense steps no longer pay.
     uniform = LinkCosts.assumed(1.0, 16, per_node, False, 5e-9)
     assert cheapest(predict(uniform, shape)) == "sparse"
+
+
+def test_decoding_is_priced_per_payload_decoded():
+    """On the all-gather every rank decodes every rank's payload: with a CPU's costs (a quarter
+    of the coordinates in int4 decodes at about what it compresses), two ranks on a 1 Gbit/s
+    link are already cheaper dense, which pricing compression alone would not see. The
+    sharded form decodes the same two buckets' worth whatever the group's size."""
+    n = 1_000_000
+    shape = BucketShape(bucket_bytes=4 * n, numel=n, flat_payload_bytes=n // 16, shards=2)
+    cpu = dict(compress_seconds_per_element=16e-9, decode_seconds_per_element=20e-9)
+    assert cheapest(predict(LinkCosts.assumed(1.0, 2, 2, False, 16e-9), shape)) == "sparse"
+    decoded = predict(LinkCosts.assumed(1.0, 2, 2, False, **cpu), shape)
+    assert cheapest(decoded) == "dense"
+    assert decoded["sparse"] == pytest.approx(n * (16e-9 + 2 * 20e-9) + n / 16 * 8e-9)
+
+    def sharded(world: int) -> float:
+        costs = LinkCosts.assumed(1e6, world, world, False, **cpu)  # a link that costs nothing: the codec alone
+        return predict(costs, BucketShape(bucket_bytes=4 * n, numel=n, shard_row_bytes=n // 16 // world,
+                                          shards=world, gather_row_bytes=n // 16 // world))["sharded"]
+    assert sharded(64) < sharded(8) == pytest.approx(n * (16e-9 + 2 * 20e-9 + 16e-9 / 8), rel=1e-3)
+
+
+def test_a_dense_int8_step_is_priced_with_its_own_codec():
+    n = 1_000_000
+    int8 = CodecCost(compress_seconds_per_element=2e-9, decode_seconds_per_element=1e-9)
+    costs = LinkCosts.assumed(1.0, 2, 2, False, 16e-9, decode_seconds_per_element=20e-9, dense_int8=int8)
+    shape = BucketShape(bucket_bytes=4 * n, numel=n, flat_payload_bytes=n, shards=2, dense_int8=True)
+    assert predict(costs, shape)["sparse"] == pytest.approx(n * (2e-9 + 2 * 1e-9) + n * 8e-9)
+    assert cheapest(predict(costs, shape)) == "sparse"  # a quarter of the bytes, cheaply coded

@@ -58,10 +58,11 @@ def test_choose_form_keeps_the_cheaper_form_and_paths_follow_the_link():
                                                                               "hierarchical"}
     assert path_at(paths, 0.01, slow) == "hierarchical"
 
-    fast = LinkCosts.assumed(400.0, 8, 8, False, compress_seconds_per_element=1e-8)
+    fast = LinkCosts.assumed(400.0, 8, 8, False, compress_seconds_per_element=1e-8, decode_seconds_per_element=1e-8)
     flat = _plan(ONE_NODE)
     entry = choose_form(flat, fast, 0.01)
-    assert flat.form == "sharded" and entry["path"] == "dense"  # the form is kept, the path is dense
+    # the form is kept (the all-gather decodes eight payloads, the sharded form two), the path is dense
+    assert flat.form == "sharded" and entry["path"] == "dense"
     assert path_at(flat, 0.01, fast) == "dense" and path_at(flat, 1.0, fast) == "dense"
     assert flat.paths == {0.01: "dense", 1.0: "dense"}  # decided once per density
 
@@ -124,7 +125,8 @@ def test_auto_sends_a_dense_step_in_int8_only_where_the_cost_model_says_it_pays(
     saves, it stays Megatron's own dense step."""
     config = HiggsConfig(link_gbps=1.0, min_bucket_numel=0, payload="int4", dense_int8=True)
     for gbps, compress, pays in ((1.0, 1e-9, True), (400.0, 1e-7, False)):
-        costs = LinkCosts.assumed(gbps, 8, 8, False, compress_seconds_per_element=compress)
+        costs = LinkCosts.assumed(gbps, 8, 8, False, compress_seconds_per_element=compress,
+                                  decode_seconds_per_element=compress)
         paths = plan_bucket("b", NUMEL, torch.float32, SLOTS, config, NodeShape(1, 8, 0), CPU, world=8)
         choose_form(paths, costs, 0.25)
         assert paths.dense_in_int8 and paths.int8_pays(costs) is pays and paths.int8_pays(None), gbps

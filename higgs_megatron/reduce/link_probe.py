@@ -1,15 +1,17 @@
 """Measuring, once at start-up, what the cost model needs: collectives on the real groups and
-the time to compress.
+the time to compress and to decode.
 
 Protocol (collective over the data-parallel group; every rank calls it with the same
 arguments): for each collective the sparse or dense paths would use, a barrier on its group
 then the collective, timed, at two sizes (``SMALL`` and ``LARGE`` bytes per rank), one
-warm-up and the median of ``REPEATS``; compression is timed locally on the largest bucket's
-plan. On CUDA each timing ends with a device synchronize (a collective returns once queued,
-not once done): this runs once at construction, never in a step. All timings are then all-reduced with MAX over the data-parallel group, so every rank
-fits the same lines and the cost model makes the same choice everywhere (the slowest rank
-sets the pace of a collective anyway). The probe moves a few tens of MB at most and takes
-well under a second on a 10 Gbit/s link, about two on 1 Gbit/s.
+warm-up and the median of ``REPEATS``. Compression and decoding are timed locally on the
+largest bucket's plan, twice: at the run's density and payload, and as a dense step in int8
+(``--higgs-dense-int8``). On CUDA each timing ends with a device synchronize (a collective
+returns once queued, not once done): this runs once at construction, never in a step. All
+timings are then all-reduced with MAX over the data-parallel group, so every rank fits the
+same lines and the cost model makes the same choice everywhere (the slowest rank sets the
+pace of a collective anyway). The probe moves a few tens of MB at most and takes well under
+a second on a 10 Gbit/s link, about two on 1 Gbit/s.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch.distributed as dist
 
 from ..compress.compressor import BucketPlan, ResidualBuffer, compress_with_feedback
 from ..compress.selection import make_selector
-from ..cost_model import CollectiveCost, LinkCosts
+from ..compress.payload import DENSE_INT8, Payload
+from ..cost_model import CodecCost, CollectiveCost, LinkCosts
 from ..topology import NodeGroups
 
 SMALL = 16 * 1024
@@ -37,12 +40,15 @@ def _finished(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(run: Callable[[], None], group: dist.ProcessGroup, device: torch.device) -> float:
-    run()  # warm-up: connections, buffers
+def _timed(run: Callable[[], None], device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """The median of ``REPEATS`` runs after a warm-up (connections, buffers); with ``group``,
+    each after a barrier on it."""
+    run()
     _finished(device)
     times = []
     for _ in range(REPEATS):
-        dist.barrier(group=group)
+        if group is not None:
+            dist.barrier(group=group)
         _finished(device)
         started = time.perf_counter()
         run()
@@ -72,28 +78,29 @@ def _collective(kind: str, nbytes: int, group: dist.ProcessGroup, device: torch.
     raise ValueError(kind)
 
 
-def _compress_seconds_per_element(plan: BucketPlan | None, density: float, compressor: str,
-                                  error_feedback: bool, device: torch.device) -> float:
-    """accumulate + select + stage on the largest bucket's plan, per element of the bucket."""
+def _codec_seconds_per_element(plan: BucketPlan | None, density: float, compressor: str, error_feedback: bool,
+                               device: torch.device, payload: Payload | None = None) -> tuple[float, float]:
+    """(compress, decode) per element of the largest bucket's plan: error feedback, selection
+    and packing of its payload at ``density`` (in ``payload``'s format, else the plan's); then
+    one payload unpacked and added into the bucket, as each peer's is on the all-gather."""
     if plan is None or compressor == "none":
-        return 0.0
+        return 0.0, 0.0
     selector = make_selector(compressor, seed=0)  # a fresh one: the real selectors' state is untouched
     generator = torch.Generator().manual_seed(0)
     grad = torch.randn(plan.numel, generator=generator).to(device)  # at start-up, not in a step
     residual = ResidualBuffer(plan.numel, grad.dtype, device) if error_feedback else None
+    payload, layout = payload or plan.payload, plan.layout(density)
+    target = torch.zeros_like(grad)
+    packed: list[torch.Tensor] = []
 
-    def once() -> None:
-        compress_with_feedback(grad, plan, density, selector, residual, key="link_probe")
+    def compress() -> None:
+        sparse = compress_with_feedback(grad, plan, density, selector, residual, key="link_probe", payload=payload)
+        packed[:] = [payload.pack(sparse, layout)]
 
-    once()
-    _finished(device)
-    times = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        once()
-        _finished(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) / plan.numel
+    def decode() -> None:
+        payload.add_to(target, packed[0], layout)
+
+    return tuple(_timed(run, device) / plan.numel for run in (compress, decode))
 
 
 def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, distributed_optimizer: bool,
@@ -115,18 +122,23 @@ def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, di
         if hierarchy:
             probes += [("node_scatter", "reduce_scatter", nodes.intra), ("cross_gather", "all_gather", nodes.inter),
                        ("node_gather", "all_gather", nodes.intra)]
-    timings = [_timed(_collective(kind, size, group, device), group, device)
+    timings = [_timed(_collective(kind, size, group, device), device, group)
                for _, kind, group in probes for size in (SMALL, LARGE)]
-    timings.append(_compress_seconds_per_element(largest_plan, density, compressor, error_feedback, device))
+    timings += _codec_seconds_per_element(largest_plan, density, compressor, error_feedback, device)
+    # a dense int8 step goes through a form whose layout carries int8's scales: a blocked payload's
+    int8 = largest_plan is not None and largest_plan.payload.blocked
+    timings += (_codec_seconds_per_element(largest_plan, 1.0, compressor, error_feedback, device, DENSE_INT8)
+                if int8 else (0.0, 0.0))
     agreed = torch.tensor(timings, dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=dp_group)
     values = agreed.tolist()
-    per_element = values.pop()
+    compress, decode, int8_compress, int8_decode = values[-4:]
+    codecs = dict(compress_seconds_per_element=compress, decode_seconds_per_element=decode,
+                  dense_int8=CodecCost(int8_compress, int8_decode) if int8 else None)
     if assume_gbps is not None:
         dp_size = dist.get_world_size(dp_group)
         return LinkCosts.assumed(assume_gbps, dp_size, nodes.ranks_per_node if hierarchy else dp_size,
-                                 distributed_optimizer, per_element, node_gbps=assume_node_gbps,
-                                 hierarchy=hierarchy)
+                                 distributed_optimizer, node_gbps=assume_node_gbps, hierarchy=hierarchy, **codecs)
     fitted = {name: CollectiveCost.fit((SMALL, LARGE), (values[2 * i], values[2 * i + 1]))
               for i, (name, _, _) in enumerate(probes)}
-    return LinkCosts(compress_seconds_per_element=per_element, source="measured", **fitted)
+    return LinkCosts(source="measured", **codecs, **fitted)
