@@ -13,17 +13,15 @@ handle we leave, whose ``wait`` also decompresses). Object identity, the optimiz
 Per bucket group, per step (once, on the accumulated gradient, never per micro-batch):
 
 1. Megatron's scaling (``gradient_scaling_factor``) and NaN checks, as before.
-2. For each bucket, a path, each launched by a method of its own (``_launch_<path>``):
+2. For each bucket, a path object (``grad_paths``) that launches its own collectives:
    *dense* (Megatron's own all-reduce, or reduce-scatter with the distributed optimizer; with
-   ``--higgs-dense-bf16``, a compressed bucket's dense steps reduce a bf16 copy,
-   ``reduce.cast_reduce``), *sparse* (``compress.compressor`` -> ``reduce.sparse_allreduce``),
-   *agreed* (``compress.agreed`` -> ``reduce.agreed_reduce``), *sharded* (``compress.sharded``
-   -> ``reduce.sharded_reduce``) or *hierarchical* (``reduce.sparse_allreduce``); with
-   ``--higgs-dense-int8`` a compressed bucket's dense steps go through its form at density 1. Under ``sync="auto"``
-   the path is the one ``cost_model`` predicts fastest from costs measured at construction
-   (``reduce.link_probe``) and agreed by all DP ranks. The path depends only on the config, those agreed costs, the
-   bucket and the step's density, so every DP peer issues the same collectives in the same
-   order with the same sizes.
+   ``--higgs-dense-bf16``, a compressed bucket's dense steps reduce a bf16 copy), *sparse*,
+   *agreed*, *sharded* or *hierarchical*; with ``--higgs-dense-int8`` a compressed bucket's
+   dense steps go through its form at density 1. ``sync_plan.BucketPaths.step_path`` picks it;
+   under ``sync="auto"`` from the path ``cost_model`` predicts fastest, with costs measured at
+   construction (``reduce.link_probe``) and agreed by all DP ranks. The path depends only on
+   the config, those agreed costs, the bucket and the step's density, so every DP peer issues
+   the same collectives in the same order with the same sizes.
 3. With error feedback, ``acc = grad + residual`` on both paths; the residual left for the
    next step is staged, and commits when the next step starts unless the step is rolled
    back (``rollback_residuals``: every rank skipped it).
@@ -69,22 +67,19 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
-from .compress.agreed import AgreedPlan, ScoreBuffer, pack_rows
-from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, compress_with_feedback
-from .compress.payload import DENSE_INT8, Payload, SparseGrad
+from .compress.agreed import AgreedPlan, ScoreBuffer
+from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer
 from .compress.selection import Selector, make_selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
 from .device import DeviceTimer
-from .reduce.agreed_reduce import PendingAgreed, launch_agreed
-from .reduce.cast_reduce import PendingCastReduce, launch_cast_reduce
-from .reduce.sharded_reduce import PendingSharded, launch_sharded
+from .grad_paths import StepLaunch
+from .reduce.cast_reduce import PendingCastReduce
 from .reduce.link_probe import measure_link_costs
-from .stability.regroup import peer_lost
-from .reduce.sparse_allreduce import (PendingHierarchical, PendingSparseReduce, launch_hierarchical,
-                                      launch_sparse_allreduce, node_reduce_scatter, reduce_scatter)
+from .reduce.sparse_allreduce import PendingHierarchical, PendingSparseReduce, reduce_scatter
 from .reduce.wire import Collectives, dense_wire_bytes
-from .sync_plan import NodeShape, choose_form, path_at, plan_bucket
+from .stability.regroup import peer_lost
+from .sync_plan import NodeShape, choose_form, plan_bucket
 from .topology import NodeGroups, build_node_groups, instance_groups
 
 
@@ -251,39 +246,6 @@ class _GroupHandle:
         self.on_done()
 
 
-@dataclass
-class _Launch:
-    """One ``start_grad_sync``: what every path's launch reads, and what it leaves for the handle."""
-
-    stats: SyncStats
-    async_op: bool
-    reduce_op: Any
-    force_all_reduce: bool
-    sums: list[torch.Tensor] | None  # the non-finite check's, one per bucket (or slice) sent
-    dense_works: list[Any] = field(default_factory=list)  # Megatron's collectives' works
-    pending: list[Any] = field(default_factory=list)  # the other paths' exchanges in flight
-
-    def add(self, pending: Any) -> None:
-        """A path's exchange in flight (None: nothing to finish, or its launch was skipped)."""
-        if pending is not None:
-            self.pending.append(pending)
-
-    def check(self, sent: torch.Tensor) -> None:
-        """The non-finite check, when it is on: one summing pass over what a bucket sends (the
-        gradient plus its residual), before the collective reads it. A NaN or inf anywhere makes
-        the sum non-finite (a finite sum that overflows only skips a step needlessly); far
-        cheaper than ``torch.isfinite(grad).all()``. It stays a device flag, read once per step
-        by the optimizer wrapper's decision: a read here would stall backward's launch queue."""
-        if self.sums is not None:
-            self.sums.append(sent.sum(dtype=torch.float32))
-
-    def count(self, dense: bool) -> None:
-        if dense:
-            self.stats.dense_buckets += 1
-        else:
-            self.stats.sparse_buckets += 1
-
-
 def _slot_in_bucket(param: torch.nn.Parameter, grad_data: torch.Tensor) -> ParamSlot:
     """Where ``param.main_grad`` sits in its bucket. Not ``bucket.param_to_index``: that
     counts params end to end, while the buffer pads each param's start for the distributed
@@ -395,17 +357,23 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         average = self.ddp_config.average_in_collective
         density = shared.config.density(self.higgs_steps)
         dense = force_all_reduce or shared.config.dense_stage(self.higgs_steps)
-        launch = _Launch(stats=SyncStats(density=density if shared.selector is not None else 1.0),
-                         # bounded waits need a handle: every collective is launched asynchronously then
-                         async_op=overlap or shared.sync_timeout is not None,
-                         reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM,
-                         force_all_reduce=bool(force_all_reduce), sums=[] if shared.check_nonfinite else None)
+        distributed_optimizer = self.ddp_config.use_distributed_optimizer
+        launch = StepLaunch(
+            stats=SyncStats(density=density if shared.selector is not None else 1.0),
+            # bounded waits need a handle: every collective is launched asynchronously then
+            async_op=overlap or shared.sync_timeout is not None,
+            reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, force_all_reduce=bool(force_all_reduce),
+            sums=[] if shared.check_nonfinite else None, comm=shared.comm, group=self._communication_group,
+            selector=shared.selector, timer=shared.compress_timer, residuals=self.higgs_residuals,
+            scores=self.higgs_scores, key=lambda idx: (self.higgs_index, idx), megatron=self._megatron_collective,
+            bounded=shared.sync_timeout is not None, nodes=shared.nodes, wait=shared.wait,
+            shard=self.intra_distributed_optimizer_instance_rank if distributed_optimizer else None)
         for idx, bucket in enumerate(self.buckets):
-            path, step_density, payload = self._path_of(idx, density, dense, launch.force_all_reduce)
+            path, step_density = self.higgs_buckets[idx].step_path(density, dense, launch.force_all_reduce,
+                                                                    shared.costs)
             launch.stats.dense_bytes += bucket.grad_data.numel() * bucket.grad_data.element_size()
             launch.stats.dense_wire_bytes += megatron_dense_wire(self, bucket.grad_data)
-            launcher = getattr(self, f"_launch_{path}")  # one method per path: _launch_dense, _launch_sparse...
-            launch.add(shared.launch(lambda: launcher(launch, idx, bucket.grad_data, step_density, payload)))
+            launch.add(shared.launch(lambda: path.launch(launch, idx, bucket.grad_data, step_density)))
         if launch.sums is not None:
             self.higgs_nonfinite = torch.isfinite(torch.stack(launch.sums)).all().logical_not()
         self.higgs_steps += 1
@@ -418,140 +386,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             handle.wait()
             self.grad_reduce_handle = None
 
-    def _path_of(self, idx: int, density: float, dense: bool, force_all_reduce: bool
-                 ) -> tuple[str, float, Payload | None]:
-        """Bucket ``idx``'s path this step (``sync_plan.path_at``), with the density and payload
-        it takes: a dense step under ``--higgs-dense-int8`` goes through the bucket's form, every
-        coordinate in int8 (density 1, ``DENSE_INT8``), where that pays (under 'auto', where the
-        cost model says so: ``BucketPaths.int8_pays``)."""
-        paths = self.higgs_buckets[idx]
-        path = "dense" if dense else path_at(paths, density, self.higgs.costs)
-        if path == "dense" and paths.dense_in_int8 and not force_all_reduce and paths.int8_pays(self.higgs.costs):
-            return paths.form, 1.0, DENSE_INT8
-        return path, density, None
-
-    def _launch_dense(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
-                      payload: Payload | None) -> PendingCastReduce | None:
-        """A dense step: Megatron's own collective (its work waited for as Megatron's), or with
-        ``--higgs-dense-bf16`` a bf16 copy's, the residual keeping the rounding
-        (``reduce.cast_reduce``)."""
-        shared, residual, paths = self.higgs, self.higgs_residuals[idx], self.higgs_buckets[idx]
-        cast = paths.dense_in_bf16 and residual is not None and not launch.force_all_reduce
-        wire = None
-        if residual is not None:  # a hierarchical form's residual covers this rank's slice
-            lo, hi = paths.slice or (0, grad.numel())
-            with shared.compress_timer.measure(grad.device):
-                residual.accumulate(grad.narrow(0, lo, hi - lo))
-                if cast:
-                    wire = grad.to(torch.bfloat16)
-                    residual.stage_rounded(grad, wire)
-                else:
-                    residual.stage_all_sent()
-        launch.count(dense=True)
-        launch.check(grad)
-        if wire is None:
-            launch.stats.bytes_sent += grad.numel() * grad.element_size()
-            launch.dense_works.append(self._megatron_collective(idx, grad, launch))
-            return None
-        launch.stats.bytes_sent += wire.numel() * wire.element_size()
-        shard = self.intra_distributed_optimizer_instance_rank if self.ddp_config.use_distributed_optimizer else None
-        return launch_cast_reduce(shared.comm, grad, wire, self._communication_group, shard, launch.async_op,
-                                  bounded=shared.sync_timeout is not None)
-
-    def _launch_sparse(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
-                       payload: Payload | None) -> PendingSparseReduce:
-        """Each rank's own top-k (``payload`` DENSE_INT8: every coordinate in int8) with error
-        feedback, all-gathered (``reduce.sparse_allreduce``)."""
-        shared, plan = self.higgs, self.higgs_plans[idx]
-        with shared.compress_timer.measure(grad.device):
-            sparse_grad = compress_with_feedback(grad, plan, density, shared.selector, self.higgs_residuals[idx],
-                                                 key=(self.higgs_index, idx), payload=payload)
-        launch.stats.bytes_sent += plan.payload_bytes(density, grad.dtype, payload)
-        launch.count(dense=payload is DENSE_INT8)
-        launch.check(grad)
-        return launch_sparse_allreduce(shared.comm, sparse_grad, payload or plan.payload, plan.layout(density), grad,
-                                       self._communication_group, async_op=launch.async_op)
-
-    def _launch_hierarchical(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
-                             payload: Payload | None) -> PendingHierarchical:
-        """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes
-        (after a given-up reduce-scatter too: see ``_GroupHandle``)."""
-        nodes, plan, residual = self.higgs.nodes, self.higgs_plans[idx], self.higgs_residuals[idx]
-        launch.check(grad)
-        work, piece = node_reduce_scatter(self.higgs.comm, grad, nodes.intra, self.higgs.wait,
-                                          bounded=self.higgs.sync_timeout is not None)
-        with self.higgs.compress_timer.measure(grad.device):
-            sparse_grad = compress_with_feedback(piece, plan, density, self.higgs.selector, residual,
-                                                 key=(self.higgs_index, idx))
-        # Bytes handed to collectives: the node's reduce-scatter (and all-gather), and the payload.
-        node_bytes = (1 if nodes.instances else 2) * (work.numel() - piece.numel()) * work.element_size()
-        launch.stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
-        launch.count(dense=False)
-        launch.check(piece)  # this rank's slice: the node's sum plus the residual
-        return launch_hierarchical(self.higgs.comm, sparse_grad, plan.payload, plan.layout(density), work, piece, grad,
-                                   nodes.intra, nodes.inter, launch.async_op, gather=not nodes.instances)
-
-    def _launch_agreed(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
-                       payload: Payload | None) -> PendingAgreed:
-        """Error feedback, the agreed selection and this rank's rows (``compress.agreed``), then
-        the all-to-all and the scores' all-reduce (``reduce.agreed_reduce``)."""
-        plan, residual, scores = self.higgs_plans[idx], self.higgs_residuals[idx], self.higgs_scores[idx]
-        value_format = payload.name if payload is not None else plan.value_format
-        layout = plan.layout(density)
-        with self.higgs.compress_timer.measure(grad.device):
-            if residual is not None:
-                residual.accumulate(grad)
-            launch.check(grad)
-            scores.commit()
-            positions, real = plan.select(scores.committed, density)
-            values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
-            rows, rounded = pack_rows(values, value_format, layout.span)
-            always = grad.index_select(0, plan.always_positions)  # sent whole, summed by an all-reduce
-            # What the next step would send: what is left, plus this step's gradient standing in for the next.
-            if residual is None:
-                expected = grad
-            else:
-                residual.stage(grad, SparseGrad(always, plan.always_positions, positions.view(-1), rounded.view(-1)))
-                expected = grad.add(residual.staged)
-                if not residual.committed_zero:
-                    expected.sub_(residual.committed)
-            local_scores = plan.scores(expected)
-        gather = not self.ddp_config.use_distributed_optimizer
-        launch.stats.bytes_sent += (rows.numel() + plan.score_bytes() + plan.always_bytes(grad.dtype)
-                                    + (rows.shape[1] if gather else 0))
-        launch.count(dense=payload is DENSE_INT8)
-        return launch_agreed(self.higgs.comm, plan, density, value_format, positions, rows, always, local_scores,
-                             scores, residual, grad, self._communication_group, gather, async_op=launch.async_op)
-
-    def _launch_sharded(self, launch: "_Launch", idx: int, grad: torch.Tensor, density: float,
-                        payload: Payload | None) -> PendingSharded:
-        """Error feedback and this rank's rows, each shard's own top-k (``compress.sharded``),
-        then the all-to-all and the small parameters' all-reduce (``reduce.sharded_reduce``)."""
-        plan, residual = self.higgs_plans[idx], self.higgs_residuals[idx]
-        sum_density = self.higgs_buckets[idx].owner_density(density, payload)  # payload: DENSE_INT8 or None
-        payload = payload or plan.payload
-        group = self._communication_group
-        with self.higgs.compress_timer.measure(grad.device):
-            if residual is not None:
-                residual.accumulate(grad)
-            launch.check(grad)  # before the small parameters are taken out
-            always = plan.take_always(grad)
-            rows = plan.compress_rows(grad, density, self.higgs.selector, self.higgs.comm.rank(group),
-                                      key=(self.higgs_index, idx), payload=payload,
-                                      left=residual.staging() if residual is not None else None)
-        gather = not self.ddp_config.use_distributed_optimizer
-        launch.stats.bytes_sent += (rows.numel() + plan.always_bytes(grad.dtype)
-                                    + (plan.row_bytes(sum_density, grad.dtype, payload) if gather else 0))
-        launch.count(dense=payload is DENSE_INT8)
-        return launch_sharded(self.higgs.comm, plan, density, payload, self.higgs.selector, (self.higgs_index, idx),
-                              rows, always, residual, grad, group, gather, async_op=launch.async_op,
-                              sum_density=sum_density)
-
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:
             self.higgs.trace.append(("finish", self.higgs_index))
 
-    def _megatron_collective(self, idx: int, grad: torch.Tensor, launch: "_Launch"):
+    def _megatron_collective(self, idx: int, grad: torch.Tensor, launch: StepLaunch):
         """Megatron's own collectives for one bucket: reduce-scatter into this rank's shard with
         the distributed optimizer, else all-reduce; with several optimizer instances, then that
         shard all-reduced across the instances, once the reduce-scatter is done."""

@@ -1,4 +1,5 @@
-"""Per-bucket path planning for the compressed sync: pure code, no process group, no Megatron.
+"""Per-bucket path planning for the compressed sync: no process group, no Megatron. It makes
+each bucket's path objects (``grad_paths``), which launch the collectives.
 
 For each gradient bucket, ``plan_bucket`` decides once, at construction:
 
@@ -25,6 +26,7 @@ with the same sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -34,8 +36,9 @@ from .compress.payload import DENSE_INT8, Payload
 from .compress.sharded import ShardedPlan
 from .config import HiggsConfig
 from .cost_model import BucketShape, LinkCosts, cheapest, predict
+from .grad_paths import (AgreedForm, Bf16Dense, DenseInt8, FormPath, GradPath, HierarchicalForm, MegatronDense,
+                         ShardedForm, SparseForm, owner_density)
 from .reduce.sparse_allreduce import slice_range
-from .reduce.wire import dense_wire_bytes, ring_factor
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class BucketPaths:
     paths: dict[float, str] = field(default_factory=dict)  # density -> path
     int8_verdict: bool | None = None  # under 'auto', once decided: whether int8_pays
     sum_density_factor: float = 1.0  # config.sum_density_factor: the sharded form's owner's density
+    _made_paths: dict[object, GradPath] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def dense_in_bf16(self) -> bool:
@@ -88,44 +92,65 @@ class BucketPaths:
         return (self.dense_int8 and self.slice is None and self.form in ("sparse", "agreed", "sharded")
                 and self.form_wire(1.0, int8=True) < self.plain_dense_wire())
 
+    @property
+    def dense_path(self) -> MegatronDense | Bf16Dense:
+        """Its plain dense step: Megatron's collective, or a bf16 copy's where its dense steps go
+        in bf16. Its wire is counted, with a hierarchical form, across the nodes: the slice's
+        all-reduce between them (the fast links inside a node are not what it saves)."""
+        def make() -> MegatronDense | Bf16Dense:
+            if self.form == "hierarchical":
+                megatron = MegatronDense(self.plan.numel, self.dtype.itemsize, self.nodes, False, self.slice)
+            else:
+                megatron = MegatronDense(self.numel, self.dtype.itemsize, self.world, self.distributed_optimizer)
+            return Bf16Dense(megatron) if self.dense_in_bf16 else megatron
+        return self._made(("dense", self.form, self.slice), make)
+
+    @property
+    def form_path(self) -> FormPath | None:
+        """The path of its compressed form (None: always dense)."""
+        form = self.form
+        if form is None:
+            return None
+
+        def make() -> FormPath:
+            plan, gather = self.plan, not self.distributed_optimizer
+            if form == "sparse":
+                return SparseForm(plan, self.dtype, self.world)
+            if form == "hierarchical":
+                return HierarchicalForm(plan, self.dtype, self.nodes)
+            if form == "agreed":
+                return AgreedForm(plan, self.dtype, self.world, gather)
+            return ShardedForm(plan, self.dtype, self.world, gather, self.sum_density_factor)
+        return self._made(form, make)
+
+    def _made(self, key: object, make: Callable[[], GradPath]) -> GradPath:
+        """The path made once per key (what it is made of: the form, its slice), not once a step."""
+        if key not in self._made_paths:
+            self._made_paths[key] = make()
+        return self._made_paths[key]
+
     def plain_dense_wire(self) -> float:
-        """Ring wire bytes per rank of the bucket's plain dense step (Megatron's collective, in
-        bf16 where its dense steps go in bf16); with a hierarchical form, across the nodes: the
-        slice's all-reduce between them (the fast links inside a node are not what it saves)."""
-        itemsize = 2 if self.dense_in_bf16 else self.dtype.itemsize
-        if self.form == "hierarchical":
-            return ring_factor("all_reduce", self.nodes) * self.plan.numel * itemsize
-        return dense_wire_bytes(self.numel * itemsize, self.world, self.distributed_optimizer)
+        """Ring wire bytes per rank of the bucket's plain dense step (``dense_path``)."""
+        return self.dense_path.wire_bytes()
 
     def dense_wire(self) -> float:
         """Ring wire bytes per rank of the bucket's dense step as it is sent."""
         return self.form_wire(1.0, int8=True) if self.dense_in_int8 else self.plain_dense_wire()
 
     def form_wire(self, density: float, int8: bool = False) -> float:
-        """Ring wire bytes per rank of the form at ``density`` (``int8``: as a dense int8 step);
-        a hierarchical form's across the nodes, as ``plain_dense_wire``."""
-        plan, world = self.plan, self.world
-        if self.form == "hierarchical":
-            return ring_factor("all_gather", self.nodes) * plan.payload_bytes(density, self.dtype)
-        if isinstance(plan, AgreedPlan):
-            value_format = "int8" if int8 else None
-            row = plan.row_bytes(density, self.dtype, value_format)
-            gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * row
-            return (ring_factor("all_to_all", world) * world * row + gather
-                    + ring_factor("all_reduce", world) * (plan.score_bytes() + plan.always_bytes(self.dtype)))
-        payload = DENSE_INT8 if int8 else None
-        if isinstance(plan, ShardedPlan):
-            row = plan.row_bytes(density, self.dtype, payload)
-            back = plan.row_bytes(self.owner_density(density, payload), self.dtype, payload)
-            gather = 0 if self.distributed_optimizer else ring_factor("all_gather", world) * back
-            return (ring_factor("all_to_all", world) * world * row + gather
-                    + ring_factor("all_reduce", world) * plan.always_bytes(self.dtype))
-        return ring_factor("all_gather", world) * plan.payload_bytes(density, self.dtype, payload)
+        """Ring wire bytes per rank of the form at ``density`` (``int8``: as a dense int8 step)."""
+        return self.form_path.wire_bytes(density, DENSE_INT8 if int8 else None)
 
-    def owner_density(self, density: float, payload: Payload | None = None) -> float:
-        """The sharded form's owners' density for a step at ``density``: ``sum_density_factor``
-        times it, at most 1; a dense int8 step (``payload``) sends every coordinate back."""
-        return density if payload is not None else min(1.0, density * self.sum_density_factor)
+    def step_path(self, density: float, dense: bool, force_all_reduce: bool, costs: LinkCosts | None
+                  ) -> tuple[GradPath, float]:
+        """This step's path (``path_at``, or dense in a dense stage) and the density it takes: a
+        dense step goes through the form, every coordinate in int8, where ``dense_in_int8``
+        and that pays (under 'auto', where the cost model says so: ``int8_pays``)."""
+        if not dense and path_at(self, density, costs) != "dense":
+            return self.form_path, density
+        if self.dense_in_int8 and not force_all_reduce and self.int8_pays(costs):
+            return self._made(("dense-int8", self.form), lambda: DenseInt8(self.form_path)), 1.0
+        return self.dense_path, density
 
     def int8_pays(self, costs: LinkCosts | None) -> bool:
         """Whether a dense step in int8 through the form (``dense_in_int8``) is worth its
@@ -164,8 +189,8 @@ class BucketPaths:
             else None,
             ranks_per_node=self.ranks_per_node if piece else 1,
             shard_row_bytes=sharded.row_bytes(density, self.dtype, payload) if sharded else None, shards=self.world,
-            gather_row_bytes=sharded.row_bytes(self.owner_density(density, payload), self.dtype, payload)
-            if sharded else 0,
+            gather_row_bytes=0 if sharded is None else sharded.row_bytes(
+                owner_density(density, self.sum_density_factor, payload), self.dtype, payload),
             always_bytes=sharded.always_bytes(self.dtype) if sharded else 0,
             gather_rows=not self.distributed_optimizer, nodes=self.nodes, dense_int8=payload is DENSE_INT8)
 

@@ -235,7 +235,7 @@ def main() -> int:
     lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
     floor_line = (f"floor: {floor:,.0f} ms/step (one rank, same model and per-rank batch, no gradient traffic); "
                   f"{iters} iterations per run, {args.ranks_per_node} rank(s) per node; wire bytes are per rank, "
-                  f"at that run's number of ranks (the peer's are not counted: -); model flags: {' '.join(MODEL)}")
+                  f"at that run's number of ranks; model flags: {' '.join(MODEL)}")
     table = "\n".join(lines) + "\n\n" + floor_line + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "two_nodes.md").write_text(table)

@@ -39,6 +39,8 @@ def test_meter_takes_and_resets():
 # their dense steps in int8; with the distributed optimizer's reduce-scatter on the dense
 # steps. A step's count must match what every rank's sockets were handed, within gloo's
 # framing (under 200 bytes a message, measured here; at most 2(P-1) messages a collective).
+# And each step's paths price what they launched: their ``wire_bytes`` is the meter's count
+# (forms over the whole group; a hierarchical form prices only what crosses the nodes).
 FORMS = {
     "sparse-int4": ["--higgs-sync", "sparse", "--higgs-payload", "int4", "--higgs-compression-ratio", "0.25"],
     "sparse-distopt": ["--higgs-sync", "sparse", "--higgs-compression-ratio", "0.05", "--use-distributed-optimizer"],
@@ -73,6 +75,7 @@ def test_meter_counts_what_gloo_moves(world_size, form, tiny_gpt_args):
             assert step["gloo"] > 0
             headers = 256 * step["calls"] * 2 * (world_size - 1)
             assert step["gloo"] <= step["written"] <= step["gloo"] * 1.01 + headers, (world_size, form, step)
+            assert step["priced"] == pytest.approx(step["wire"], rel=1e-9), (world_size, form, step)  # as launched
         dense_step, compressed_step = rank_out["steps"][0], rank_out["steps"][-1]
         assert set(compressed_step["kinds"]) == COMPRESSED_KINDS[form] and compressed_step["density"] < 1
         assert dense_step["density"] == 1

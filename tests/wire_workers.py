@@ -9,10 +9,22 @@ def _written() -> int:
         return next(int(line.split()[1]) for line in io if line.startswith("wchar"))
 
 
+def _priced(ddp) -> float:
+    """The wire bytes the paths of ``ddp``'s next step price, over every bucket."""
+    shared, total = ddp._higgs, 0.0
+    for group in ddp.bucket_groups:
+        density, dense = shared.config.density(group.higgs_steps), shared.config.dense_stage(group.higgs_steps)
+        for paths in group.higgs_buckets:
+            path, step_density = paths.step_path(density, dense, False, shared.costs)
+            total += path.wire_bytes(step_density)
+    return total
+
+
 def sync_bytes_against_gloo(argv: list[str]) -> dict:
     """Train ``argv`` without overlap (each bucket group's whole sync runs inside its
     ``finish_grad_sync``), fenced by barriers; per step, what this rank's meter counted
-    (ring wire bytes, and the same calls under gloo's algorithms) and what it wrote meanwhile."""
+    (ring wire bytes, and the same calls under gloo's algorithms), what it wrote meanwhile,
+    and what the paths it took price (``wire_bytes`` of each bucket's path that step)."""
     import torch.distributed as dist
 
     from higgs_megatron.ddp import HiggsBucketGroup
@@ -40,12 +52,14 @@ def sync_bytes_against_gloo(argv: list[str]) -> dict:
         try:
             for _ in range(args.train_iters):
                 written[0] = 0
+                priced = _priced(trainer.model[0])
                 trainer.train_step()
                 trainer.iteration += 1
                 trainer.consumed_samples += args.global_batch_size
                 counted = meter.take()
                 steps.append({"written": written[0], "wire": counted.wire, "gloo": counted.wire_as(gloo_factor),
                               "kinds": sorted({kind for kind, _ in counted.by_kind}), "calls": counted.calls,
+                              "priced": priced,
                               "density": trainer.model[0]._higgs.config.density(trainer.iteration - 1)})
         finally:
             HiggsBucketGroup.finish_grad_sync = original

@@ -1,0 +1,340 @@
+"""The paths one bucket's gradient can take in a step, one object each.
+
+Every path has ``launch(step, idx, grad, density)``, which starts its collectives for bucket
+``idx`` and returns what finishes them (None where Megatron's own work is left in
+``step.dense_works``), and ``wire_bytes(density)``, the ring wire bytes per rank it puts on
+the links it is weighed on, at its group's size (``reduce.wire``): the whole data-parallel
+group's, or with a hierarchical form the slow ones across the nodes (the reduce-scatter and
+all-gather inside a node are not counted there; the meter counts them). ``sync_plan.BucketPaths`` makes a bucket's
+paths once and picks one per step; ``HiggsBucketGroup`` only dispatches to it. A new path is
+a new class here, not a branch there.
+
+* ``MegatronDense``: Megatron's own collective (all-reduce, or reduce-scatter with the
+  distributed optimizer; then across optimizer instances);
+* ``Bf16Dense``: a bf16 copy reduced, the rounding kept in the residual (``--higgs-dense-bf16``,
+  ``reduce.cast_reduce``);
+* ``DenseInt8``: a dense step through the bucket's form, every coordinate in int8
+  (``--higgs-dense-int8``);
+* the forms: ``SparseForm`` (each rank's top-k, all-gathered: ``reduce.sparse_allreduce``),
+  ``AgreedForm`` (``compress.agreed``, ``reduce.agreed_reduce``), ``ShardedForm``
+  (``compress.sharded``, ``reduce.sharded_reduce``) and ``HierarchicalForm`` (dense inside the
+  node, this rank's slice compressed across nodes).
+
+Stream order (CUDA): ``launch`` runs on the current stream inside Megatron's backward hook.
+Error feedback, selection and packing are queued there, and the collective is launched with
+``async_op`` right after; NCCL's stream waits for the current stream at launch, so it reads
+the finished payload. Nothing here reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .compress.agreed import AgreedPlan, ScoreBuffer, pack_rows
+from .compress.compressor import BucketPlan, ResidualBuffer, compress_with_feedback
+from .compress.payload import DENSE_INT8, Payload, SparseGrad
+from .compress.selection import Selector
+from .compress.sharded import ShardedPlan
+from .device import DeviceTimer
+from .reduce.agreed_reduce import launch_agreed
+from .reduce.cast_reduce import launch_cast_reduce
+from .reduce.sharded_reduce import launch_sharded
+from .reduce.sparse_allreduce import launch_hierarchical, launch_sparse_allreduce, node_reduce_scatter
+from .reduce.wire import Collectives, dense_wire_bytes, ring_factor
+from .topology import NodeGroups
+
+
+@dataclass
+class StepLaunch:
+    """One bucket group's ``start_grad_sync``: what every path's launch reads, and what it
+    leaves for the handle that finishes the step."""
+
+    stats: Any  # ddp.SyncStats: the bytes handed and the bucket counts of this step
+    async_op: bool
+    reduce_op: Any
+    force_all_reduce: bool
+    sums: list[torch.Tensor] | None  # the non-finite check's, one per bucket (or slice) sent
+    comm: Collectives
+    group: dist.ProcessGroup  # the buckets' group: the DP group, or this optimizer instance
+    selector: Selector | None
+    timer: DeviceTimer  # the compression's time
+    residuals: list[ResidualBuffer | None]
+    scores: list[ScoreBuffer | None]
+    key: Callable[[int], object]  # bucket idx -> the selector's key
+    megatron: Callable[[int, torch.Tensor, "StepLaunch"], Any]  # Megatron's own collective for bucket idx
+    bounded: bool = False  # waits are bounded (--higgs-step-timeout): every collective gets a work
+    shard: int | None = None  # with the distributed optimizer: this rank's shard of each bucket
+    nodes: NodeGroups | None = None  # the hierarchical form's groups
+    wait: Callable[[Any], None] | None = None  # how a collective of this step is waited for
+    dense_works: list[Any] = field(default_factory=list)  # Megatron's collectives' works
+    pending: list[Any] = field(default_factory=list)  # the other paths' exchanges in flight
+
+    def add(self, pending: Any) -> None:
+        """A path's exchange in flight (None: nothing to finish, or its launch was skipped)."""
+        if pending is not None:
+            self.pending.append(pending)
+
+    def check(self, sent: torch.Tensor) -> None:
+        """The non-finite check, when it is on: one summing pass over what a bucket sends (the
+        gradient plus its residual), before the collective reads it. A NaN or inf anywhere makes
+        the sum non-finite (a finite sum that overflows only skips a step needlessly); far
+        cheaper than ``torch.isfinite(grad).all()``. It stays a device flag, read once per step
+        by the optimizer wrapper's decision: a read here would stall backward's launch queue."""
+        if self.sums is not None:
+            self.sums.append(sent.sum(dtype=torch.float32))
+
+    def count(self, dense: bool) -> None:
+        if dense:
+            self.stats.dense_buckets += 1
+        else:
+            self.stats.sparse_buckets += 1
+
+
+class GradPath(Protocol):
+    name: ClassVar[str]
+
+    def wire_bytes(self, density: float = 1.0) -> float: ...
+
+    def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float) -> Any: ...
+
+
+def _dense_feedback(step: StepLaunch, idx: int, grad: torch.Tensor, piece: tuple[int, int] | None) -> None:
+    """A dense step of a bucket with a residual: the residual is added in (over a hierarchical
+    form's slice, ``piece``), and nothing is left of it."""
+    residual = step.residuals[idx]
+    if residual is None:
+        return
+    lo, hi = piece or (0, grad.numel())
+    with step.timer.measure(grad.device):
+        residual.accumulate(grad.narrow(0, lo, hi - lo))
+        residual.stage_all_sent()
+
+
+@dataclass(frozen=True)
+class MegatronDense:
+    """Megatron's own collective for the bucket (its work waited for as Megatron's). Wire:
+    its ring all-reduce or reduce-scatter over ``world`` ranks; for a bucket with a
+    hierarchical form, the slice's all-reduce across the nodes (what crosses the slow links,
+    which the form is weighed against). Not the all-reduce across optimizer instances that
+    follows a reduce-scatter: ``ddp.megatron_dense_wire`` counts Megatron's whole step."""
+
+    numel: int
+    itemsize: int
+    world: int
+    reduce_scatter: bool
+    piece: tuple[int, int] | None = None  # the hierarchical form's slice, which its residual covers
+    name: ClassVar[str] = "dense"
+
+    def wire_bytes(self, density: float = 1.0) -> float:
+        return dense_wire_bytes(self.numel * self.itemsize, self.world, self.reduce_scatter)
+
+    def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float) -> None:
+        _dense_feedback(step, idx, grad, self.piece)
+        step.count(dense=True)
+        step.check(grad)
+        step.stats.bytes_sent += grad.numel() * grad.element_size()
+        step.dense_works.append(step.megatron(idx, grad, step))
+        return None
+
+
+@dataclass(frozen=True)
+class Bf16Dense:
+    """A bf16 copy of the bucket reduced, the rounding kept in the residual
+    (``reduce.cast_reduce``); Megatron's own collective where there is no residual to keep it
+    in, or when Megatron forces its all-reduce."""
+
+    megatron: MegatronDense
+    name: ClassVar[str] = "dense"
+
+    def wire_bytes(self, density: float = 1.0) -> float:
+        return dense_wire_bytes(self.megatron.numel * 2, self.megatron.world, self.megatron.reduce_scatter)
+
+    def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float) -> Any:
+        residual = step.residuals[idx]
+        if residual is None or step.force_all_reduce:
+            return self.megatron.launch(step, idx, grad, density)
+        with step.timer.measure(grad.device):
+            residual.accumulate(grad)
+            wire = grad.to(torch.bfloat16)
+            residual.stage_rounded(grad, wire)
+        step.count(dense=True)
+        step.check(grad)
+        step.stats.bytes_sent += wire.numel() * wire.element_size()
+        return launch_cast_reduce(step.comm, grad, wire, step.group, step.shard, step.async_op, bounded=step.bounded)
+
+
+@dataclass(frozen=True)
+class SparseForm:
+    """Each rank's own top-k with error feedback, all-gathered (``reduce.sparse_allreduce``).
+    Wire: (P-1) payloads."""
+
+    plan: BucketPlan
+    dtype: torch.dtype
+    world: int
+    name: ClassVar[str] = "sparse"
+
+    def wire_bytes(self, density: float = 1.0, payload: Payload | None = None) -> float:
+        return ring_factor("all_gather", self.world) * self.plan.payload_bytes(density, self.dtype, payload)
+
+    def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float,
+               payload: Payload | None = None) -> Any:
+        plan = self.plan
+        with step.timer.measure(grad.device):
+            sparse_grad = compress_with_feedback(grad, plan, density, step.selector, step.residuals[idx],
+                                                 key=step.key(idx), payload=payload)
+        step.stats.bytes_sent += plan.payload_bytes(density, grad.dtype, payload)
+        step.count(dense=payload is DENSE_INT8)
+        step.check(grad)
+        return launch_sparse_allreduce(step.comm, sparse_grad, payload or plan.payload, plan.layout(density), grad,
+                                       step.group, async_op=step.async_op)
+
+
+@dataclass(frozen=True)
+class HierarchicalForm:
+    """Dense reduce-scatter inside the node, then this rank's slice compressed across nodes
+    (after a given-up reduce-scatter too: see ``ddp._GroupHandle``). Wire: the payloads of the
+    other nodes (the links inside a node are not what it saves)."""
+
+    plan: BucketPlan
+    dtype: torch.dtype
+    node_count: int  # the nodes (or optimizer instances) the slice is compressed across
+    name: ClassVar[str] = "hierarchical"
+
+    def wire_bytes(self, density: float = 1.0, payload: Payload | None = None) -> float:
+        return ring_factor("all_gather", self.node_count) * self.plan.payload_bytes(density, self.dtype)
+
+    def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float,
+               payload: Payload | None = None) -> Any:
+        # no dense int8 step through a slice (``BucketPaths.dense_in_int8``): the plan's payload only
+        assert payload is None, "the hierarchical form sends its plan's payload"
+        nodes, plan = step.nodes, self.plan
+        step.check(grad)
+        work, piece = node_reduce_scatter(step.comm, grad, nodes.intra, step.wait, bounded=step.bounded)
+        with step.timer.measure(grad.device):
+            sparse_grad = compress_with_feedback(piece, plan, density, step.selector, step.residuals[idx],
+                                                 key=step.key(idx))
+        # Bytes handed to collectives: the node's reduce-scatter (and all-gather), and the payload.
+        node_bytes = (1 if nodes.instances else 2) * (work.numel() - piece.numel()) * work.element_size()
+        step.stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
+        step.count(dense=False)
+        step.check(piece)  # this rank's slice: the node's sum plus the residual
+        return launch_hierarchical(step.comm, sparse_grad, plan.payload, plan.layout(density), work, piece, grad,
+                                   nodes.intra, nodes.inter, step.async_op, gather=not nodes.instances)
+
+
+@dataclass(frozen=True)
+class AgreedForm:
+    """Error feedback, the agreed selection and this rank's rows (``compress.agreed``), then
+    the all-to-all and the scores' all-reduce (``reduce.agreed_reduce``)."""
+
+    plan: AgreedPlan
+    dtype: torch.dtype
+    world: int
+    gather: bool  # the summed rows all-gathered back (not with the distributed optimizer)
+    name: ClassVar[str] = "agreed"
+
+    def wire_bytes(self, density: float = 1.0, payload: Payload | None = None) -> float:
+        plan, world = self.plan, self.world
+        row = plan.row_bytes(density, self.dtype, payload.name if payload is not None else None)
+        gather = ring_factor("all_gather", world) * row if self.gather else 0
+        return (ring_factor("all_to_all", world) * world * row + gather
+                + ring_factor("all_reduce", world) * (plan.score_bytes() + plan.always_bytes(self.dtype)))
+
+    def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float,
+               payload: Payload | None = None) -> Any:
+        plan, residual, scores = self.plan, step.residuals[idx], step.scores[idx]
+        value_format = payload.name if payload is not None else plan.value_format
+        layout = plan.layout(density)
+        with step.timer.measure(grad.device):
+            if residual is not None:
+                residual.accumulate(grad)
+            step.check(grad)
+            scores.commit()
+            positions, real = plan.select(scores.committed, density)
+            values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
+            rows, rounded = pack_rows(values, value_format, layout.span)
+            always = grad.index_select(0, plan.always_positions)  # sent whole, summed by an all-reduce
+            # What the next step would send: what is left, plus this step's gradient standing in for the next.
+            if residual is None:
+                expected = grad
+            else:
+                residual.stage(grad, SparseGrad(always, plan.always_positions, positions.view(-1), rounded.view(-1)))
+                expected = grad.add(residual.staged)
+                if not residual.committed_zero:
+                    expected.sub_(residual.committed)
+            local_scores = plan.scores(expected)
+        step.stats.bytes_sent += (rows.numel() + plan.score_bytes() + plan.always_bytes(grad.dtype)
+                                  + (rows.shape[1] if self.gather else 0))
+        step.count(dense=payload is DENSE_INT8)
+        return launch_agreed(step.comm, plan, density, value_format, positions, rows, always, local_scores,
+                             scores, residual, grad, step.group, self.gather, async_op=step.async_op)
+
+
+def owner_density(density: float, sum_density_factor: float, payload: Payload | None = None) -> float:
+    """The sharded form's owners' density for a step at ``density``: ``sum_density_factor``
+    times it, at most 1; a dense int8 step (``payload``) sends every coordinate back."""
+    return density if payload is not None else min(1.0, density * sum_density_factor)
+
+
+@dataclass(frozen=True)
+class ShardedForm:
+    """Error feedback and this rank's rows, each shard's own top-k (``compress.sharded``),
+    then the all-to-all, the owners' rows gathered back and the small parameters' all-reduce
+    (``reduce.sharded_reduce``). Wire: about two flat payloads, whatever P."""
+
+    plan: ShardedPlan
+    dtype: torch.dtype
+    world: int
+    gather: bool  # the owners' rows all-gathered back (not with the distributed optimizer)
+    sum_density_factor: float = 1.0
+    name: ClassVar[str] = "sharded"
+
+    def owner_density(self, density: float, payload: Payload | None = None) -> float:
+        return owner_density(density, self.sum_density_factor, payload)
+
+    def wire_bytes(self, density: float = 1.0, payload: Payload | None = None) -> float:
+        plan, world = self.plan, self.world
+        row = plan.row_bytes(density, self.dtype, payload)
+        back = plan.row_bytes(self.owner_density(density, payload), self.dtype, payload)
+        gather = ring_factor("all_gather", world) * back if self.gather else 0
+        return (ring_factor("all_to_all", world) * world * row + gather
+                + ring_factor("all_reduce", world) * plan.always_bytes(self.dtype))
+
+    def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float,
+               payload: Payload | None = None) -> Any:
+        plan, residual = self.plan, step.residuals[idx]
+        sum_density = self.owner_density(density, payload)  # payload: DENSE_INT8 or None
+        payload = payload or plan.payload
+        with step.timer.measure(grad.device):
+            if residual is not None:
+                residual.accumulate(grad)
+            step.check(grad)  # before the small parameters are taken out
+            always = plan.take_always(grad)
+            rows = plan.compress_rows(grad, density, step.selector, step.comm.rank(step.group), key=step.key(idx),
+                                      payload=payload, left=residual.staging() if residual is not None else None)
+        step.stats.bytes_sent += (rows.numel() + plan.always_bytes(grad.dtype)
+                                  + (plan.row_bytes(sum_density, grad.dtype, payload) if self.gather else 0))
+        step.count(dense=payload is DENSE_INT8)
+        return launch_sharded(step.comm, plan, density, payload, step.selector, step.key(idx), rows, always, residual,
+                              grad, step.group, self.gather, async_op=step.async_op, sum_density=sum_density)
+
+
+FormPath = SparseForm | HierarchicalForm | AgreedForm | ShardedForm
+
+
+@dataclass(frozen=True)
+class DenseInt8:
+    """A dense step through the bucket's form at density 1, every coordinate in int8."""
+
+    form: FormPath
+    name: ClassVar[str] = "dense-int8"
+
+    def wire_bytes(self, density: float = 1.0) -> float:
+        return self.form.wire_bytes(1.0, DENSE_INT8)
+
+    def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float) -> Any:
+        return self.form.launch(step, idx, grad, 1.0, DENSE_INT8)
