@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from higgs_megatron.benchmarks import REPO, markdown_table  # noqa: E402
+from higgs_megatron_bench.runs import REPO, markdown_table  # noqa: E402
 from higgs_megatron.device import collective_device  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",

@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from higgs_megatron.benchmarks import (REPO, finished, higgs_flags, lean_flags, markdown_table,  # noqa: E402
+from higgs_megatron_bench.runs import (REPO, finished, higgs_flags, lean_flags, markdown_table,  # noqa: E402
                                        run_pretrain, summarize, validation_curve)
 from higgs_megatron.compress.payload import PAYLOADS  # noqa: E402
 from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from higgs_megatron.benchmarks import read_log, run_pretrain  # noqa: E402
+from higgs_megatron_bench.runs import read_log, run_pretrain  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
          "--micro-batch-size", "4", "--eval-iters", "0", "--log-interval", "1"]

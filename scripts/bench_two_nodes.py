@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from higgs_megatron.benchmarks import REPO, read_log, run_pretrain, summarize  # noqa: E402
+from higgs_megatron_bench.runs import REPO, read_log, run_pretrain, summarize  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
          "--micro-batch-size", "4", "--num-threads", "1", "--overlap-grad-reduce", "--ddp-bucket-size", "1000000"]

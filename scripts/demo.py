@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from higgs_megatron.benchmarks import REPO, markdown_table, run_pretrain, summarize  # noqa: E402
+from higgs_megatron_bench.runs import REPO, markdown_table, run_pretrain, summarize  # noqa: E402
 from project_wire import projected_ratio  # noqa: E402
 
 PROJECTED = (64, 1024)

@@ -49,7 +49,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from higgs_megatron.testing import run_ranks  # noqa: E402
+from higgs_megatron_bench.ranks import run_ranks  # noqa: E402
 
 log = logging.getLogger("gpu_check")
 CUDA = torch.cuda.is_available()

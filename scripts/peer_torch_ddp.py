@@ -2,7 +2,7 @@
 gradient-compression hook, on the same megatron-core GPT, data and per-rank batch.
 
 Takes the pretrain script's flags (same model, corpus, batch, learning-rate schedule, log
-format: ``--log-json`` records read by ``higgs_megatron.benchmarks``), plus ``--comm-hook
+format: ``--log-json`` records read by ``higgs_megatron_bench.runs``), plus ``--comm-hook
 {none,fp16}``. The optimizer is ``torch.optim.AdamW`` with the same hyper-parameters and
 gradient clipping under Megatron's schedule. Data parallel only (TP = PP = 1).
 

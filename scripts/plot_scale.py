@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from higgs_megatron.benchmarks import summarize  # noqa: E402
+from higgs_megatron_bench.runs import summarize  # noqa: E402
 from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
 
 log = get_logger("plot_scale")

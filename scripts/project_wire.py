@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_group import fake_group  # noqa: E402
-from higgs_megatron.benchmarks import lean_flags  # noqa: E402
+from higgs_megatron_bench.runs import lean_flags  # noqa: E402
 from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
 
 log = get_logger("bench_project_wire")

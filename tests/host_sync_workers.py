@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_host_sync.py (run through higgs_megatron.testing.run_ranks)."""
+"""Rank functions for tests/test_host_sync.py (run through higgs_megatron_bench.ranks.run_ranks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def host_syncs_in_gradient_path(argv: list[str]) -> dict:
     function-mode stack emptied (``torch.autograd.backward`` is itself a torch function), so a
     mode entered around the whole step would not see them."""
     from higgs_megatron.ddp import HiggsBucketGroup, HiggsDDP
-    from higgs_megatron.host_sync import HostSyncAudit
+    from tests.host_sync import HostSyncAudit
     from higgs_megatron.training.arguments import parse_args
     from higgs_megatron.training.launch import training_environment
     from higgs_megatron.training.loop import Trainer

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from higgs_megatron.testing import PRETRAIN_SCRIPT, run_pretrain_script
+from higgs_megatron_bench.ranks import PRETRAIN_SCRIPT, run_pretrain_script
 from higgs_megatron.training.arguments import UsageError, parse_args
 
 

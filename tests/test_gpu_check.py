@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from higgs_megatron.testing import REPO_ROOT
+from higgs_megatron_bench.ranks import REPO_ROOT
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine run scripts/gpu_check.sh itself")

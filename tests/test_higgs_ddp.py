@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from higgs_megatron.benchmarks import higgs_flags, lean_flags, summarize
-from higgs_megatron.testing import run_ranks
+from higgs_megatron_bench.runs import higgs_flags, lean_flags, summarize
+from higgs_megatron_bench.ranks import run_ranks
 from tests.common_workers import train_variants, train_variants_on_the_compressed_form
 
 # (world size, layout flags); every layout has DP=2 and two micro-batches per step (accumulation).

@@ -4,8 +4,8 @@ they never reach a GPU, where each one stalls backward's launch queue."""
 import pytest
 import torch
 
-from higgs_megatron.host_sync import HostSyncAudit
-from higgs_megatron.testing import run_ranks
+from tests.host_sync import HostSyncAudit
+from higgs_megatron_bench.ranks import run_ranks
 from tests.host_sync_workers import host_syncs_in_gradient_path
 
 

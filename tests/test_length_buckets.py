@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from higgs_megatron.cpu import cpu_megatron
-from higgs_megatron.testing import run_ranks
+from higgs_megatron_bench.ranks import run_ranks
 from higgs_megatron.training.corpus import build_corpus
 from higgs_megatron.training.data import build_datasets
 from higgs_megatron.training.length_buckets import LengthBuckets, parse_buckets

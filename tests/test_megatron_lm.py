@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from higgs_megatron.testing import REPO_ROOT, run_pretrain_script
+from higgs_megatron_bench.ranks import REPO_ROOT, run_pretrain_script
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 _MISSING = [name for name in ("transformers", "einops", "tiktoken", "sentencepiece", "regex", "six", "triton")

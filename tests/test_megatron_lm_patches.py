@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from higgs_megatron.testing import REPO_ROOT
+from higgs_megatron_bench.ranks import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "patches"))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from higgs_megatron.testing import REPO_ROOT
+from higgs_megatron_bench.ranks import REPO_ROOT
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 TEST_FILE = "tests/unit_tests/distributed/test_param_and_grad_buffer.py"

@@ -7,7 +7,7 @@ import time
 import sys
 import types
 
-from higgs_megatron.benchmarks import finished
+from higgs_megatron_bench.runs import finished
 from higgs_megatron.callbacks import Callback, WandbCallback
 from higgs_megatron.ddp import SyncStats
 from higgs_megatron.training.metrics import LogWindow, MetricsLogger
@@ -163,7 +163,7 @@ def test_the_benchmarks_schedules_make_the_configs_they_describe():
     import importlib.util
     from pathlib import Path
 
-    from higgs_megatron.benchmarks import higgs_flags
+    from higgs_megatron_bench.runs import higgs_flags
     from higgs_megatron.config import add_higgs_args, higgs_config_from_args
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "bench_convergence.py"

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from higgs_megatron.testing import run_ranks
+from higgs_megatron_bench.ranks import run_ranks
 from tests.common_workers import train_variants
 
 LAYOUTS = {

@@ -6,7 +6,7 @@ gradient conserved over the group) under compression."""
 import pytest
 import torch
 
-from higgs_megatron.testing import run_ranks
+from higgs_megatron_bench.ranks import run_ranks
 from tests.common_workers import train_variants_on_the_compressed_form
 from tests.higgs_ddp_workers import owner_sum_invariants
 

@@ -9,7 +9,7 @@ import torch
 from higgs_megatron.stability.alignment import AlignmentLog
 from higgs_megatron.stability.faults import Fault, FaultSpecError, parse_fault
 from higgs_megatron.stability.progress import describe
-from higgs_megatron.testing import run_pretrain_script, run_ranks
+from higgs_megatron_bench.ranks import run_pretrain_script, run_ranks
 from higgs_megatron.training.arguments import UsageError, parse_args
 from tests.common_workers import run_trainer, train_variants
 

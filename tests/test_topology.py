@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from higgs_megatron.testing import run_ranks
+from higgs_megatron_bench.ranks import run_ranks
 from higgs_megatron.topology import node_id, split_by_node
 from tests.common_workers import sparse_sync_invariants, train_variants_on_the_compressed_form
 from tests.topology_workers import auto_sync_choices, node_groups_of_world, on_simulated_nodes

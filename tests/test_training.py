@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from higgs_megatron.testing import run_pretrain_script, run_ranks
+from higgs_megatron_bench.ranks import run_pretrain_script, run_ranks
 from tests.common_workers import pretrain_on_rank
 
 LAYOUTS = [
@@ -65,7 +65,7 @@ def test_script_under_torchrun_logs_json(tmp_path, tiny_gpt_args):
 
 def test_own_loop_example_runs_with_three_calls():
     """The README's three-call example: HiggsDDP and wrap_optimizer in a hand-written loop."""
-    from higgs_megatron.testing import REPO_ROOT
+    from higgs_megatron_bench.ranks import REPO_ROOT
 
     proc = run_pretrain_script([], nproc=2, script=REPO_ROOT / "examples" / "own_loop.py")
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from higgs_megatron.testing import run_ranks
+from higgs_megatron_bench.ranks import run_ranks
 from higgs_megatron.training.arguments import UsageError, parse_args
 
 from .common_workers import train_variants

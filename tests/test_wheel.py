@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from higgs_megatron.testing import REPO_ROOT
+from higgs_megatron_bench.ranks import REPO_ROOT
 from tests.test_megatron_lm import CHECKOUT, CPU_FLAGS, MODEL, pytestmark as needs_megatron_lm
 
 
@@ -42,6 +42,8 @@ def installed(tmp_path_factory) -> Path:
     sources |= {"higgs_megatron_patches/" + str(p.relative_to(REPO_ROOT / "patches"))
                 for p in REPO_ROOT.glob("patches/**/*.py")}
     assert sources - names == set(), "left out of the wheel (pyproject.toml's package list)"
+    kit = {name for name in names if name.split("/")[0] in ("higgs_megatron_bench", "tests", "scripts")}
+    assert not kit, f"the test and benchmark kit is not for a training job: {sorted(kit)}"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert {"higgs-pretrain-gpt", "higgs-megatron-lm", "higgs-megatron"} <= {
         line.split("=")[0].strip() for line in zipfile.ZipFile(wheel).read(entry_points).decode().splitlines()}

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from higgs_megatron.reduce.wire import WireMeter, dense_wire_bytes, gloo_factor, ring_factor, wire_bytes
-from higgs_megatron.testing import run_ranks
+from higgs_megatron_bench.ranks import run_ranks
 from tests.wire_workers import fake_group_count, sync_bytes_against_gloo
 
 

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_topology.py (run through higgs_megatron.testing.run_ranks)."""
+"""Rank functions for tests/test_topology.py (run through higgs_megatron_bench.ranks.run_ranks)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .logs import get_logger, setup_logging
+from higgs_megatron.logs import get_logger, setup_logging
 
 REPO = Path(__file__).resolve().parent.parent
 
