@@ -15,7 +15,8 @@ Launcher flags (taken out before pretrain_gpt.py sees the rest):
 The checkout provides ``megatron.training`` and the script; ``megatron.core`` is the installed
 megatron-core this package pins (the same source as the tested checkout's). On a machine
 without CUDA the run goes through ``megatron_lm.cpu`` (gloo; see its docstring for the flags
-it needs). Exit status 2: bad flags or checkout; 1: a checkpoint refused (message on rank 0).
+it needs). Exit statuses are our pretrain script's (``higgs_megatron.runtime.exits``): 2 for
+bad flags or checkout, 3 for a checkpoint refused, 75 for a lost peer.
 """
 
 from __future__ import annotations
@@ -77,23 +78,19 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from higgs_megatron.checkpoint.manifest import CheckpointError
-    install = importlib.import_module(f"{_PATCHES}.install")
-
+    exits = importlib.import_module("higgs_megatron.runtime.exits")  # after the checkout: it imports megatron
     if patched:
-        install.install()
+        importlib.import_module(f"{_PATCHES}.install").install()
     script = checkout / "pretrain_gpt.py"
     sys.argv = [str(script), *rest]
-    try:
+
+    def run() -> None:
         if torch.cuda.is_available():
             runpy.run_path(str(script), run_name="__main__")
         else:
             with importlib.import_module(f"{_PATCHES}.cpu").megatron_lm_on_cpu():
                 runpy.run_path(str(script), run_name="__main__")
-    except CheckpointError as error:
-        _say(f"pretrain_gpt.py: checkpoint error: {error}")
-        return 1
-    return 0
+    return exits.exit_status(run, prog="pretrain_gpt.py")
 
 
 def console_main() -> int:

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from higgs_megatron_bench.ranks import PRETRAIN_SCRIPT, run_pretrain_script
-from higgs_megatron.training.arguments import UsageError, parse_args
+from higgs_megatron.runtime.exits import UsageError
+from higgs_megatron.training.arguments import parse_args
 
 
 def test_defaults_fill_derived_fields():

@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
+from higgs_megatron.runtime.exits import ExitStatus, UsageError
+from higgs_megatron.training import launch
 from higgs_megatron_bench.ranks import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "patches"))
 
-from megatron_lm.arguments import PatchUsageError, add_patch_args, chain_args_providers, translate_args  # noqa: E402
+from megatron_lm.arguments import add_patch_args, chain_args_providers, translate_args  # noqa: E402
 from megatron_lm.checkout import TESTED_TAG, CheckoutError, check_checkout, checkout_version  # noqa: E402
 
 LAUNCHER = REPO_ROOT / "patches" / "run_pretrain_gpt.py"
@@ -84,7 +86,7 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
                          (["--higgs-step-timeout", "5"], "--higgs-step-timeout"),
                          (["--inject-fault", "hang@1:2:3"], "--inject-fault"),
                          (["--auto-resume", "--save", "/x"], "--auto-resume")):
-        with pytest.raises(PatchUsageError, match=f"{named}.*only with --use-higgs"):
+        with pytest.raises(UsageError, match=f"{named}.*only with --use-higgs"):
             translate_args(parse(*flags))
 
 
@@ -120,7 +122,7 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
 def test_bad_flags_are_named_and_args_are_left_untouched(flags, message):
     args = parse("--use-higgs", *flags)
     before = vars(args).copy()
-    with pytest.raises(PatchUsageError, match=message):
+    with pytest.raises(UsageError, match=message):
         translate_args(args)
     assert vars(args) == before
 
@@ -199,3 +201,60 @@ def test_launcher_refuses_a_missing_or_untested_checkout_before_running_it(tmp_p
     assert proc.returncode == 2 and "is version 0.15.0" in proc.stderr
     proc = run_launcher("--mock-data", env={"MEGATRON_LM_PATH": str(tmp_path / "absent")})
     assert proc.returncode == 2 and "no such directory" in proc.stderr
+
+
+# How a run can end, raised by a stand-in for pretrain_gpt.py (HIGGS_TEST_END names which).
+ENDINGS = '''
+import os
+from higgs_megatron.checkpoint.manifest import CheckpointError
+from higgs_megatron.runtime.exits import UsageError
+end = os.environ["HIGGS_TEST_END"]
+if end == "usage":
+    raise UsageError("--micro-batch-size 0: expected 1 or more")
+if end == "checkpoint":
+    raise CheckpointError("iter_0000002/__0_0.distcp: sha256 differs from the rank map's")
+if end == "peer":
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:29500")
+'''
+
+
+@pytest.mark.parametrize("end,status", [("ok", ExitStatus.OK), ("usage", ExitStatus.USAGE),
+                                        ("checkpoint", ExitStatus.CHECKPOINT), ("peer", ExitStatus.RESTART)])
+def test_both_launchers_end_a_run_with_the_same_exit_status(end, status, tmp_path, monkeypatch, caplog):
+    """Megatron-LM's launcher (a checkout whose pretrain_gpt.py ends the run, on the CPU path
+    with no patches) and our pretrain script give one status for each way a run ends
+    (``runtime.exits``), and say why once."""
+    checkout = write_checkout(tmp_path / "checkout")
+    (checkout / "pretrain_gpt.py").write_text(ENDINGS)
+    (checkout / "megatron" / "legacy" / "fused_kernels").mkdir(parents=True)
+    (checkout / "megatron" / "legacy" / "fused_kernels" / "__init__.py").write_text("def load(*args):\n    pass\n")
+    (checkout / "megatron" / "training" / "training.py").write_text(
+        "def build_train_valid_test_data_iterators(*args, **kwargs):\n    pass\n\n\n"
+        "def initialize_megatron(*args, **kwargs):\n    pass\n")
+    proc = run_launcher("--megatron-lm-path", str(checkout), "--higgs-no-patches", env={"HIGGS_TEST_END": end})
+    assert proc.returncode == status, proc.stderr[-2000:]
+
+    monkeypatch.setenv("HIGGS_TEST_END", end)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch, "pretrain", lambda argv: exec(ENDINGS, {}))
+    assert launch.main([]) == status
+    said = "\n".join(record.getMessage() for record in caplog.records)
+    for message in {"usage": ["--micro-batch-size 0: expected 1 or more"], "checkpoint": ["sha256 differs"],
+                    "peer": ["a peer rank is gone", "restarts the job"], "ok": []}[end]:
+        assert said.count(message) == 1 and proc.stderr.count(message) == 1, (message, said, proc.stderr)
+
+
+def test_a_usage_error_is_said_once_wherever_it_is_caught():
+    from higgs_megatron.runtime.exits import exit_status, report_usage_error
+
+    error = UsageError("--foo: expected bar")
+    assert isinstance(error, SystemExit) and error.code == ExitStatus.USAGE and str(error) == "--foo: expected bar"
+
+    def raise_reported():
+        report_usage_error(error)  # as the patches do inside Megatron-LM's parse_args
+        raise error
+
+    assert exit_status(raise_reported, prog="test") == ExitStatus.USAGE and error.reported
+    with pytest.raises(RuntimeError, match="not ours"):  # anything else keeps its traceback
+        exit_status(lambda: (_ for _ in ()).throw(RuntimeError("not ours")), prog="test")

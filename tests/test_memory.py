@@ -110,7 +110,8 @@ def test_an_unwritable_offload_directory_is_refused(tmp_path):
      r"--recompute-num-layers 9: expected 1 to 4"),
 ])
 def test_pretrain_flags_of_the_memory_manager_are_checked_before_training(argv, message):
-    from higgs_megatron.training.arguments import UsageError, parse_args
+    from higgs_megatron.runtime.exits import UsageError
+    from higgs_megatron.training.arguments import parse_args
 
     with pytest.raises(UsageError) as caught:
         parse_args(argv, world_size=1)

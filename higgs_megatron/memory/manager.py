@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ..field_flags import field_flag, flag_metadata
+from ..runtime.launcher import process_rank
 from ..optimizer import torch_optimizers
 from .policy import Decision, decide
 from .probe import MemoryProbe
@@ -170,7 +171,7 @@ class MemoryManager:
         self.parked: dict[int, list[Away]] = {}
         self.steps = 0
         if config.device == "nvme":
-            self.tier: HostTier | FileTier = FileTier(Path(config.directory) / f"rank{_rank()}")
+            self.tier: HostTier | FileTier = FileTier(Path(config.directory) / f"rank{process_rank()}")
         else:
             limit = (config.pin_limit_bytes if config.pin_limit_bytes is not None
                      else _host_total() // 4 // _local_ranks())
@@ -302,12 +303,6 @@ class MemoryManager:
             raise OffloadError(f"--higgs-offload-device {self.config.device}: the optimizer state of this rank is "
                                f"{needed / 1e9:.2f} GB ({needed * ranks / 1e9:.2f} GB for this host's {ranks} "
                                f"rank(s)) and {where}")
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def _local_ranks() -> int:

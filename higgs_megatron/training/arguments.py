@@ -10,40 +10,20 @@ every rank exits with status 2 (``UsageError``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 from typing import Sequence
 
 import torch
 
 from ..checkpoint.flags import add_rank_map_args, checkpoint_config_from_args
-from ..logs import setup_logging
 from ..config import add_higgs_args, compression_flags_given, higgs_config_from_args
 from ..memory import OffloadError
 from ..memory.flags import add_offload_args, offload_config_from_args
 from ..stability.exit_conditions import add_exit_args, check_exit_args
+from ..runtime.exits import UsageError
+from ..runtime.launcher import launcher_world_size
 from ..stability.flags import add_stability_args, check_stability
 from .length_buckets import parse_buckets
-from .parallel import attempt_store
-
-EXIT_USAGE = 2
-
-
-class UsageError(SystemExit):
-    """Bad command-line input: printed once (by rank 0) and exits with status 2."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(EXIT_USAGE)
-        self.message = message
-
-
-def launcher_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def launcher_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own errors: unknown flags, bad choices
@@ -354,29 +334,3 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None,
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     return validate_args(args, launcher_world_size() if world_size is None else world_size)
-
-
-REPORT_WAIT = datetime.timedelta(seconds=30)
-_REPORTED_KEY = "usage_error_reported"
-
-
-def report_usage_error(error: UsageError) -> None:
-    """Print the message once per job (on the launcher's rank 0).
-
-    Every rank finds the same error, but the ranks do not reach it together: under torchrun, a
-    rank that exits first makes the agent stop the others, and rank 0 could be stopped before
-    it prints. So under torchrun's agent store the other ranks wait (bounded) for rank 0 to
-    say it has printed before they exit."""
-    rank = launcher_rank()
-    if rank == 0:
-        setup_logging().error(error.message)
-    try:
-        store = attempt_store(REPORT_WAIT).get("store")
-        if store is None:
-            return
-        if rank == 0:
-            store.set(_REPORTED_KEY, "1")
-        else:
-            store.wait([_REPORTED_KEY], REPORT_WAIT)
-    except (RuntimeError, OSError):  # no store, or rank 0 never reported: exit anyway
-        pass

@@ -2,9 +2,9 @@
 
 ``main`` is what ``examples/pretrain_gpt.py`` and the ``higgs-pretrain-gpt`` command run: parse
 and validate the flags, set up threads and process groups (``training_environment``), train,
-and turn the ways a run can end into exit statuses a launcher can act on: 2 for bad input, 3 for
-a checkpoint that cannot be loaded or saved, 75 (``RESTART_EXIT_CODE``) for a lost peer, so
-that ``torchrun --max-restarts`` restarts the job.
+and turn the ways a run can end into the exit statuses both front-ends give
+(``runtime.exits``): 2 for bad input, 3 for a checkpoint that cannot be loaded or saved, 75
+for a lost peer, so that ``torchrun --max-restarts`` restarts the job.
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ import socket
 from typing import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..checkpoint.manifest import CheckpointError
 from ..cpu import cpu_megatron
-from ..logs import get_logger, setup_logging
+from ..logs import get_logger
 from ..memory.flags import apply_block_allocator
-from ..stability.regroup import RESTART_EXIT_CODE, peer_lost, prepare_backend
-from .arguments import UsageError, parse_args, report_usage_error
+from ..runtime.exits import UsageError, exit_status
+from ..stability.regroup import prepare_backend
+from .arguments import parse_args
 from .corpus import DataPathError, find_text_files
 from .loop import Trainer, TrainResult
 from .parallel import destroy_parallel, init_parallel, local_world_size
@@ -83,41 +82,17 @@ def pretrain(argv: Sequence[str] | None = None, **trainer_kwargs) -> TrainResult
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse, validate, train. Bad input: one message, exit status 2. Without a
-    launcher (no ``RANK`` in the environment) the job is one process."""
-    setup_logging()
+    """Entry point: parse, validate, train; the exit status is ``runtime.exits``'s (bad input
+    2, a checkpoint error 3, a lost peer 75). Without a launcher (no ``RANK`` in the
+    environment) the job is one process."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-    try:
-        pretrain(argv)
-    except UsageError as error:
-        report_usage_error(error)
-        return error.code
-    except CheckpointError as error:
-        if dist_rank_or_launcher() == 0:
-            log.error(f"checkpoint error: {error}")
-        return EXIT_CHECKPOINT
-    except RuntimeError as error:
-        if not peer_lost(error):
-            raise
-        log.error(f"[rank {dist_rank_or_launcher()}] a peer rank is gone ({str(error).splitlines()[0][:200]}); "
-                  f"exiting with status {EXIT_PEER_LOST} so that torchrun --max-restarts restarts the job "
-                  "(with --auto-resume it resumes from the latest committed checkpoint)")
-        return EXIT_PEER_LOST
-    return 0
-
-
-EXIT_CHECKPOINT = 3
-EXIT_PEER_LOST = RESTART_EXIT_CODE
+    return exit_status(lambda: pretrain(argv), prog="pretrain_gpt.py")
 
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def dist_rank_or_launcher() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))

@@ -44,7 +44,7 @@ from ..memory import MemoryManager, make_probe
 from ..optimizer import wrap_optimizer
 from ..stability.exit_conditions import ExitConditions
 from ..stability.flags import restart_timeout
-from .arguments import UsageError
+from ..runtime.exits import UsageError
 from .corpus import ByteTokenizer, build_corpus
 from .data import Batch, build_datasets, iteration_batches
 from .length_buckets import LengthBuckets

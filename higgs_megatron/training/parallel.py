@@ -19,6 +19,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from ..runtime.launcher import attempt_store
+
 
 def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
                   timeout_minutes: float = 10.0, num_distributed_optimizer_instances: int = 1) -> None:
@@ -32,22 +34,6 @@ def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
-
-
-def attempt_store(timeout: datetime.timedelta) -> dict:
-    """Under torchrun's agent store, a store scoped to this attempt of the job.
-
-    The agent's TCPStore outlives a restart (``--max-restarts``), and torch 2.13's env://
-    rendezvous adds no attempt prefix, so the restarted workers' ``new_group`` rendezvous read
-    the dead workers' gloo addresses and fail ("connectFullMesh ... Connection refused").
-    Prefixing every key with the restart count gives each attempt its own keys."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"/higgs/attempt_{attempt}/", store), "rank": rank, "world_size": world_size}
 
 
 def set_seeds(seed: int) -> None:

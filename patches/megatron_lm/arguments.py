@@ -11,7 +11,7 @@ replacing it. Our flags are those of this project's own pretrain script (``--use
 
 ``translate_args`` runs right after Megatron-LM parses, before its own validation and
 before any process group exists. It refuses what cannot work, naming the flag
-(``PatchUsageError``), and maps ours onto Megatron-LM's where Megatron-LM has the
+(``UsageError``), and maps ours onto Megatron-LM's where Megatron-LM has the
 mechanism: ``--checkpoint-version N`` is ``--ckpt-step N``; ``--async-checkpoint`` is
 ``--async-save --use-persistent-ckpt-worker``. With ``--use-higgs`` and the distributed
 optimizer, checkpoints are saved ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``)
@@ -31,13 +31,10 @@ from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from
 from higgs_megatron.given_flags import flags_given
 from higgs_megatron.memory import OffloadError
 from higgs_megatron.memory.flags import add_offload_args, offload_config_from_args
+from higgs_megatron.runtime.exits import UsageError
 from higgs_megatron.stability.flags import add_stability_args, check_stability
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
-
-
-class PatchUsageError(ValueError):
-    """A flag the patches read has a value they cannot run with; the message names it."""
 
 
 def _has_flag(parser: argparse.ArgumentParser, flag: str) -> bool:
@@ -99,61 +96,61 @@ def run_length(args: argparse.Namespace) -> tuple[int, int]:
 
 def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
     """Check our flags against Megatron-LM's and map them onto it; the HiggsConfig, or None
-    without --use-higgs. Raises ``PatchUsageError`` naming the flag; changes ``args`` only
+    without --use-higgs. Raises ``UsageError`` naming the flag; changes ``args`` only
     when every check has passed."""
     if not args.use_higgs:
         given = _higgs_only_flags_given(args)
         if given:
-            raise PatchUsageError(f"{', '.join(given)}: only with --use-higgs (without it, Megatron-LM "
+            raise UsageError(f"{', '.join(given)}: only with --use-higgs (without it, Megatron-LM "
                                   "runs exactly as unpatched)")
         return None
     try:
         config = higgs_config_from_args(args, *run_length(args))
     except ValueError as error:
-        raise PatchUsageError(str(error)) from None
+        raise UsageError(str(error)) from None
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
-        raise PatchUsageError("--use-higgs replaces the reduction of Megatron's DistributedDataParallel; "
+        raise UsageError("--use-higgs replaces the reduction of Megatron's DistributedDataParallel; "
                               "it does not combine with --use-torch-fsdp2 or --use-megatron-fsdp")
     for flag, name in (("--non-persistent-save-interval", "non_persistent_save_interval"),
                        ("--save-retain-interval", "save_retain_interval"), ("--adlr-autoresume", "adlr_autoresume")):
         if getattr(args, name, None):
-            raise PatchUsageError(f"{flag}: its saves bypass the rank map (or delete before the commit); "
+            raise UsageError(f"{flag}: its saves bypass the rank map (or delete before the commit); "
                                   "not with --use-higgs")
     if "muon" in str(getattr(args, "optimizer", "adam")):
-        raise PatchUsageError(f"--optimizer {args.optimizer}: Megatron-LM builds Muon outside get_megatron_optimizer, "
+        raise UsageError(f"--optimizer {args.optimizer}: Megatron-LM builds Muon outside get_megatron_optimizer, "
                               "which --use-higgs wraps; use adam or sgd")
     if (args.save or args.load) and args.ckpt_format != "torch_dist":
-        raise PatchUsageError(f"--ckpt-format {args.ckpt_format}: with --use-higgs, checkpoints carry a rank map, "
+        raise UsageError(f"--ckpt-format {args.ckpt_format}: with --use-higgs, checkpoints carry a rank map, "
                               "which covers the torch_dist format; use --ckpt-format torch_dist")
     if args.checkpoint_version is None and getattr(args, "ckpt_step", None) is not None and args.ckpt_step < 1:
-        raise PatchUsageError(f"--ckpt-step {args.ckpt_step}: expected an iteration, 1 or more")
+        raise UsageError(f"--ckpt-step {args.ckpt_step}: expected an iteration, 1 or more")
     if args.checkpoint_version is not None and getattr(args, "ckpt_step", None) not in (None, args.checkpoint_version):
-        raise PatchUsageError(f"--checkpoint-version {args.checkpoint_version} and --ckpt-step {args.ckpt_step} "
+        raise UsageError(f"--checkpoint-version {args.checkpoint_version} and --ckpt-step {args.ckpt_step} "
                               "disagree; give one")
     try:
         checkpoint_config_from_args(args)
     except ValueError as error:
-        raise PatchUsageError(str(error)) from None
+        raise UsageError(str(error)) from None
     try:
         faults = check_stability(args, getattr(args, "world_size", None), use_higgs=True)
     except ValueError as error:
-        raise PatchUsageError(str(error)) from None
+        raise UsageError(str(error)) from None
     if args.higgs_step_timeout is not None and getattr(args, "calculate_per_token_loss", False):
-        raise PatchUsageError("--higgs-step-timeout with --calculate-per-token-loss: Megatron-LM then all-reduces the "
+        raise UsageError("--higgs-step-timeout with --calculate-per-token-loss: Megatron-LM then all-reduces the "
                               "token count over the data-parallel group right after the sync, a wait this layer cannot "
                               "bound; give one")
     if any(fault.kind == "nan" for fault in faults) and getattr(args, "check_for_nan_in_loss_and_grad", False):
-        raise PatchUsageError("--inject-fault nan: Megatron-LM's own check stops the run at a NaN before --use-higgs "
+        raise UsageError("--inject-fault nan: Megatron-LM's own check stops the run at a NaN before --use-higgs "
                               "can skip the step; add --no-check-for-nan-in-loss-and-grad")
     try:
         offload = offload_config_from_args(args)
     except OffloadError as error:
-        raise PatchUsageError(str(error)) from None
+        raise UsageError(str(error)) from None
     if offload is not None and getattr(args, "log_params_norm", False):
-        raise PatchUsageError("--log-params-norm with --higgs-offload: Megatron-LM reads the optimizer's main "
+        raise UsageError("--log-params-norm with --higgs-offload: Megatron-LM reads the optimizer's main "
                               "parameters for the norm after the step, while offloaded state is away; give one")
     if offload is not None and getattr(args, "optimizer_cpu_offload", False):
-        raise PatchUsageError("--higgs-offload and --optimizer-cpu-offload both move the optimizer's state off the "
+        raise UsageError("--higgs-offload and --optimizer-cpu-offload both move the optimizer's state off the "
                               "device; give one (--higgs-offload decides from measured memory, "
                               "--optimizer-offload-fraction by hand)")
 

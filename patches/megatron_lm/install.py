@@ -37,7 +37,6 @@ import atexit
 import logging
 import functools
 import inspect
-import os
 from typing import Any, Callable
 
 import torch
@@ -55,14 +54,15 @@ from higgs_megatron.device import collective_device
 from higgs_megatron.logs import get_logger, log_single_rank, setup_logging
 from higgs_megatron.memory import MemoryManager, make_probe
 from higgs_megatron.memory.flags import apply_block_allocator, offload_config_from_args
+from higgs_megatron.runtime.exits import UsageError, report_usage_error
+from higgs_megatron.runtime.launcher import launcher_rank
 from higgs_megatron.stability.regroup import prepare_backend
 
 from .cpu import cpu_flag_problems
-from .arguments import PatchUsageError, chain_args_providers, translate_args
+from .arguments import chain_args_providers, translate_args
 from .rank_map import RankMapHooks
 from .stability import StepRunner, build_resilience
 
-EXIT_USAGE = 2
 _originals: dict[tuple[Any, str], Any] = {}
 
 
@@ -106,12 +106,13 @@ def _parse_args(*args: Any, **kwargs: Any) -> Any:
         if not torch.cuda.is_available():
             missing = cpu_flag_problems(parsed)
             if missing:
-                raise PatchUsageError(f"on a machine without CUDA, pretrain_gpt.py needs {' '.join(missing)}")
+                raise UsageError(f"on a machine without CUDA, pretrain_gpt.py needs {' '.join(missing)}")
         config = translate_args(parsed)
-    except PatchUsageError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            setup_logging().error(f"pretrain_gpt.py: error: {error}")
-        raise SystemExit(EXIT_USAGE) from None
+    except UsageError as error:
+        # said here, whoever launched Megatron-LM (ours says nothing more: exits.exit_status)
+        usage = UsageError(f"pretrain_gpt.py: error: {error}")
+        report_usage_error(usage)
+        raise usage from None
     if config is not None:
         activate(parsed, config)
     return parsed
@@ -147,7 +148,7 @@ def activate(args: Any, config: HiggsConfig) -> None:
     if args.checkpoint_interval is not None:
         _rebind(training, "checkpoint_and_decide_exit", _IntervalSaver(args.checkpoint_interval))
     setup_logging()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launcher_rank() == 0:
         log.info(f" [higgs] HiggsDDP replaces Megatron's DDP ({config.compressor}, density {config.compression_ratio}, "
                  f"sync {config.sync}); checkpoints carry a rank map (--recovery-mode {args.recovery_mode})")
 

@@ -1,0 +1,10 @@
+"""What both front-ends run under, whichever launched the job: our pretrain script
+(``training/``) and Megatron-LM's ``pretrain_gpt.py`` through the patches (``patches/``).
+
+* ``launcher``: what the launcher says of this process (rank, world size) and torchrun's
+  per-attempt store;
+* ``exits``: the one usage-error type, the one table of exit statuses, and the function that
+  turns how a run ended into its status.
+
+The front-ends import from here; nothing here imports a front-end.
+"""
