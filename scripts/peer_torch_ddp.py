@@ -27,7 +27,7 @@ from higgs_megatron.training.corpus import build_corpus  # noqa: E402
 from higgs_megatron.training.data import build_datasets, iteration_batches  # noqa: E402
 from higgs_megatron.training.launch import training_environment  # noqa: E402
 from higgs_megatron.training.loop import loss_func  # noqa: E402
-from higgs_megatron.training.metrics import MetricsLogger  # noqa: E402
+from higgs_megatron.runtime.metrics import MetricsLogger  # noqa: E402
 from higgs_megatron.training.model import build_model, build_scheduler, transformer_config  # noqa: E402
 from higgs_megatron.training.parallel import set_seeds  # noqa: E402
 

@@ -10,11 +10,11 @@ import types
 from higgs_megatron_bench.runs import finished
 from higgs_megatron.callbacks import Callback, WandbCallback
 from higgs_megatron.ddp import SyncStats
-from higgs_megatron.training.metrics import LogWindow, MetricsLogger
+from higgs_megatron.runtime.metrics import LogWindow, MetricsLogger
 
 
 def test_window_leaves_validation_and_save_time_out_of_step_time(monkeypatch):
-    import higgs_megatron.training.metrics as metrics
+    import higgs_megatron.runtime.metrics as metrics
 
     clock = [100.0]  # a clock the test moves: no sleeping, no timing noise
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])

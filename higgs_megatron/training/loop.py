@@ -48,10 +48,10 @@ from ..runtime.exits import UsageError
 from .corpus import ByteTokenizer, build_corpus
 from .data import Batch, build_datasets, iteration_batches
 from .length_buckets import LengthBuckets
-from .metrics import LogWindow, MetricsLogger
+from ..runtime.metrics import LogWindow, MetricsLogger
 from .model import build_model, build_optimizer, build_scheduler, num_parameters, transformer_config
 from .parallel import set_seeds
-from .resilience import Resilience
+from ..runtime.resilience import Resilience
 
 
 log = get_logger(__name__)

@@ -1,6 +1,6 @@
 """Stability for Megatron-LM's pretrain_gpt.py: our pretrain script's, through its ``train_step``.
 
-The same ``Resilience`` as our loop (``higgs_megatron.training.resilience``), so the flags
+The same ``Resilience`` as our loop (``higgs_megatron.runtime.resilience``), so the flags
 (``--higgs-step-timeout``, ``--higgs-restart-timeout``, ``--inject-fault``), the events and
 the exit statuses are the same. It is built when ``get_megatron_optimizer`` returns (process
 groups, model chunks and the wrapped optimizer exist then), and ``StepRunner`` takes
@@ -31,8 +31,8 @@ import torch.distributed as dist
 from megatron.core.utils import get_model_config
 
 from higgs_megatron.stability.flags import check_stability, restart_timeout
-from higgs_megatron.training.metrics import MetricsLogger
-from higgs_megatron.training.resilience import Resilience
+from higgs_megatron.runtime.metrics import MetricsLogger
+from higgs_megatron.runtime.resilience import Resilience
 
 
 class _Replay:
