@@ -26,3 +26,24 @@ def optimizer_state_both_ways(argv: list[str]) -> dict:
         trainer.close()
     keep = lambda pieces: {k: v for k, v in pieces.items() if k.startswith("optimizer.state.")}  # noqa: E731
     return {"megatron": keep(megatron), "ours": keep(ours)}
+
+
+def save_schedule_decisions() -> list[bool]:
+    """``SaveSchedule(3, 0.2)`` asked after iterations 1..6, the wall clock passing its 0.2 s
+    before iteration 5 (and restarted by every save); on the default group, as a loop asks it."""
+    import time
+
+    import torch.distributed as dist
+
+    from higgs_megatron.checkpoint.interval import SaveSchedule
+
+    dist.init_process_group("gloo")
+    schedule, decisions = SaveSchedule(3, 0.2), []
+    for iteration in range(1, 7):
+        if iteration == 5:
+            time.sleep(0.25)
+        decisions.append(schedule.due(iteration))
+        if decisions[-1]:
+            schedule.saved()
+    dist.destroy_process_group()
+    return decisions

@@ -353,3 +353,14 @@ def test_crc32_is_skipped_while_saving_and_restored_after():
         assert not get_crc32_options()
     finally:
         set_crc32_options(True)
+
+
+def test_save_schedule_saves_by_iteration_and_by_wall_clock():
+    """The one rule both front-ends save by: iterations 3 and 6 by --save-interval 3, and 5 by
+    --checkpoint-interval 0.2 once 0.2 s have passed since the save at 3; without either, never."""
+    from higgs_megatron.checkpoint.interval import SaveSchedule
+    from tests.checkpoint_workers import save_schedule_decisions
+
+    assert run_ranks(save_schedule_decisions, 1, timeout=120)[0] == [False, False, True, False, True, True]
+    never = SaveSchedule(None, None)
+    assert not any(never.due(iteration) for iteration in range(1, 10))

@@ -80,3 +80,10 @@ def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointConfig:
     if config.checkpoint_version is not None and not args.load:
         raise CheckpointConfigError("--checkpoint-version: needs --load DIR (the checkpoints to choose from)")
     return config
+
+
+def load_directory(args: argparse.Namespace) -> str | None:
+    """Where the run loads from, under both front-ends: ``--load``, or with ``--auto-resume``
+    and no ``--load`` the job's own ``--save`` (its first attempt finds nothing there and
+    starts from scratch)."""
+    return args.save if args.auto_resume and not args.load else args.load

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ..checkpoint.flags import add_rank_map_args, checkpoint_config_from_args
+from ..checkpoint.flags import add_rank_map_args, checkpoint_config_from_args, load_directory
 from ..config import add_higgs_args, compression_flags_given, higgs_config_from_args
 from ..memory import OffloadError
 from ..memory.flags import add_offload_args, offload_config_from_args
@@ -174,8 +174,7 @@ def _check_checkpoints(args: argparse.Namespace, world_size: int) -> None:
     except ValueError as error:
         raise UsageError(str(error)) from None
     resuming_own_saves = args.auto_resume and args.load is None
-    if resuming_own_saves:
-        args.load = args.save  # the job's first attempt finds nothing there and starts from scratch
+    args.load = load_directory(args)
     if args.load is not None and not os.path.isdir(args.load) and not resuming_own_saves:
         raise UsageError(f"--load {args.load}: no such directory")
 

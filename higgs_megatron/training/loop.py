@@ -32,7 +32,7 @@ from ..callbacks import Callback, callbacks_from_args
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.async_save import AsyncCheckpointer
-from ..checkpoint.interval import WallClockInterval
+from ..checkpoint.interval import SaveSchedule
 from ..checkpoint.save import SaveResult, save_checkpoint
 from ..checkpoint.state import TrainingState
 from ..checkpoint.vocab import vocab_record
@@ -174,7 +174,7 @@ class Trainer:
             self._load()
         self._saved_at = self.iteration
         self.failed_saves = 0  # in a row
-        self.wall_clock = WallClockInterval(args.checkpoint_interval) if args.checkpoint_interval else None
+        self.saves = SaveSchedule(args.save_interval, args.checkpoint_interval)
 
     def writes_logs(self) -> bool:
         """Whether this process writes the log lines and records: the last rank (the last
@@ -246,8 +246,7 @@ class Trainer:
                            f"copy, writing and hashing run in the background; the loop paid {stall * 1000:.0f} ms",
                            iteration=self.iteration, stall_seconds=stall)
         self._saved_at = self.iteration
-        if self.wall_clock is not None:
-            self.wall_clock.reset()
+        self.saves.saved()
         if self.memory is not None:
             if self.checkpointer is not None:
                 self.checkpointer.before_update()
@@ -279,12 +278,7 @@ class Trainer:
     def _save_due(self) -> bool:
         """``--save-interval`` by iteration count; ``--checkpoint-interval`` by wall clock, agreed
         on by all ranks (``checkpoint.interval``)."""
-        args = self.args
-        if not args.save:
-            return False
-        if args.save_interval and self.iteration % args.save_interval == 0:
-            return True
-        return self.wall_clock is not None and self.wall_clock.due()
+        return bool(self.args.save) and self.saves.due(self.iteration)
 
     def finish_saves(self) -> None:
         """At the end of training: pending saves finish (every rank)."""

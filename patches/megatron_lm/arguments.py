@@ -26,7 +26,7 @@ import argparse
 import os
 from typing import Callable
 
-from higgs_megatron.checkpoint.flags import add_rank_map_args, checkpoint_config_from_args
+from higgs_megatron.checkpoint.flags import add_rank_map_args, checkpoint_config_from_args, load_directory
 from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from_args
 from higgs_megatron.given_flags import flags_given
 from higgs_megatron.memory import OffloadError
@@ -158,8 +158,7 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
         args.checkpoint_version = args.ckpt_step  # Megatron-LM's name for the same choice: validated as ours
     if args.checkpoint_version is not None:
         args.ckpt_step = args.checkpoint_version
-    if args.auto_resume and not args.load:
-        args.load = args.save  # the job's first attempt finds nothing there and starts from scratch
+    args.load = load_directory(args)
     if args.async_checkpoint:
         args.async_save = True
         args.use_persistent_ckpt_worker = True

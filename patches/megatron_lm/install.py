@@ -48,7 +48,7 @@ import megatron.training.initialize as initialize
 import megatron.training.training as training
 
 from higgs_megatron import HiggsConfig, HiggsDDP, wrap_optimizer
-from higgs_megatron.checkpoint.interval import WallClockInterval
+from higgs_megatron.checkpoint.interval import SaveSchedule
 from higgs_megatron.ddp import sync_traffic
 from higgs_megatron.device import collective_device
 from higgs_megatron.logs import get_logger, log_single_rank, setup_logging
@@ -146,7 +146,7 @@ def activate(args: Any, config: HiggsConfig) -> None:
     _rebind(checkpointing, "schedule_async_save",
             functools.partial(hooks.schedule_async_save, original(checkpointing, "schedule_async_save")))
     if args.checkpoint_interval is not None:
-        _rebind(training, "checkpoint_and_decide_exit", _IntervalSaver(args.checkpoint_interval))
+        _rebind(training, "checkpoint_and_decide_exit", _IntervalSaver(args.save_interval, args.checkpoint_interval))
     setup_logging()
     if launcher_rank() == 0:
         log.info(f" [higgs] HiggsDDP replaces Megatron's DDP ({config.compressor}, density {config.compression_ratio}, "
@@ -218,20 +218,20 @@ def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *a
 
 
 class _IntervalSaver:
-    """``checkpoint_and_decide_exit`` that also saves every ``seconds`` of wall-clock time."""
+    """``checkpoint_and_decide_exit`` that also saves every ``seconds`` of wall-clock time
+    (``SaveSchedule``: Megatron-LM makes its own ``--save-interval`` saves)."""
 
-    def __init__(self, seconds: float) -> None:
-        self.interval = WallClockInterval(seconds)
+    def __init__(self, save_interval: int | None, seconds: float) -> None:
+        self.schedule = SaveSchedule(save_interval, seconds)
 
     def __call__(self, model: Any, optimizer: Any, scheduler: Any, iteration: int, flops: Any,
                  checkpointing_context: Any, train_data_iterator: Any) -> bool:
-        args = megatron_training.get_args()
-        due = self.interval.due()
-        regular = bool(args.save_interval) and iteration % args.save_interval == 0
-        if due and not regular:
+        regular = self.schedule.by_iteration(iteration)
+        extra = not regular and self.schedule.by_wall_clock()
+        if extra:
             training.save_checkpoint_and_time(iteration, model, optimizer, scheduler, flops, checkpointing_context,
                                               train_data_iterator=train_data_iterator)
-        if due or regular:
-            self.interval.reset()
+        if extra or regular:
+            self.schedule.saved()
         return original(training, "checkpoint_and_decide_exit")(
             model, optimizer, scheduler, iteration, flops, checkpointing_context, train_data_iterator)
