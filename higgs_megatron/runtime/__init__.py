@@ -8,7 +8,8 @@
 * ``metrics``: Megatron-style log lines, the JSONL file and the callbacks, and the log window
   (step time, traffic);
 * ``resilience``: stability around a step (faults, progress, the bounded decision,
-  alignments, restarts).
+  alignments, restarts);
+* ``offload``: the memory manager attached to the run's optimizer, and its start-up lines.
 
 The front-ends import from here; nothing here imports a front-end.
 """

@@ -40,11 +40,12 @@ from ..optimizer import torch_optimizers
 from ..ddp import HiggsDDP, SyncStats, sync_traffic
 from ..device import collective_device, model_device, to_device
 from ..logs import get_logger, setup_logging
-from ..memory import MemoryManager, make_probe
+from ..memory import MemoryManager
 from ..optimizer import wrap_optimizer
 from ..stability.exit_conditions import ExitConditions
 from ..stability.flags import restart_timeout
 from ..runtime.exits import UsageError
+from ..runtime.offload import attach_offload
 from .corpus import ByteTokenizer, build_corpus
 from .data import Batch, build_datasets, iteration_batches
 from .length_buckets import LengthBuckets
@@ -477,19 +478,10 @@ class Trainer:
                            "(CPU run); nothing to configure")
         if args.offload_config is None:
             return None
-        config = args.offload_config
-        probe = make_probe(args.higgs_offload_schedule)
-        if not torch.cuda.is_available() and config.device == "cpu":
-            self.log.event("offload_frees_nothing", " --higgs-offload-device cpu on a CPU run: the device is host "
-                           "memory, so offloaded state moves without freeing anything (and the host probe reads "
-                           "the whole machine's use); useful to test the policy, not to save memory")
-        manager = MemoryManager(self.optimizer, self.model, config, probe, on_event=lambda name, message, **fields:
-                                self.log.event(name, message, iteration=self.iteration + 1, **fields)).attach()
-        self.log.event("offload_ready", f" optimizer state leaves the device above {config.threshold:.0%} of its "
-                       f"memory, returns below {config.threshold - config.hysteresis:.0%} (tier {config.device}; "
-                       f"probe {type(probe).__name__})", threshold=config.threshold, hysteresis=config.hysteresis,
-                       tier=config.device, probe=type(probe).__name__)
-        return manager
+        return attach_offload(self.optimizer, self.model, args.offload_config, args.higgs_offload_schedule,
+                              on_event=lambda name, message, **fields: self.log.event(
+                                  name, message, iteration=self.iteration + 1, **fields),
+                              say=lambda name, message, fields: self.log.event(name, message, **fields))
 
     def close(self) -> None:
         self.exits.close()

@@ -52,9 +52,10 @@ from higgs_megatron.checkpoint.interval import SaveSchedule
 from higgs_megatron.ddp import sync_traffic
 from higgs_megatron.device import collective_device
 from higgs_megatron.logs import get_logger, log_single_rank, setup_logging
-from higgs_megatron.memory import MemoryManager, make_probe
+from higgs_megatron.memory import MemoryManager
 from higgs_megatron.memory.flags import apply_block_allocator, offload_config_from_args
 from higgs_megatron.runtime.exits import UsageError, report_usage_error
+from higgs_megatron.runtime.offload import attach_offload
 from higgs_megatron.runtime.launcher import launcher_rank
 from higgs_megatron.stability.regroup import prepare_backend
 
@@ -167,11 +168,10 @@ def _get_megatron_optimizer(config: Any, model_chunks: list, *args: Any, **kwarg
     _steps = build_resilience(margs, model_chunks, optimizer)
     offload = offload_config_from_args(margs)  # validated in translate_args
     if offload is not None:
-        _memory = MemoryManager(optimizer, model_chunks, offload, make_probe(margs.higgs_offload_schedule),
-                                on_event=_offload_event).attach()
+        _memory = attach_offload(optimizer, model_chunks, offload, margs.higgs_offload_schedule,
+                                 on_event=_offload_event,
+                                 say=lambda name, message, fields: log_single_rank(log, logging.INFO, f" [higgs]{message}"))
         atexit.register(_memory.close)  # state back, the nvme tier's files removed
-        log_single_rank(log, logging.INFO, f" [higgs] optimizer state leaves the device above {offload.threshold:.0%} of "
-                        f"its memory, returns below {offload.threshold - offload.hysteresis:.0%} (tier {offload.device})")
     return optimizer
 
 
