@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ..field_flags import field_flag, flag_metadata
-from ..runtime.launcher import process_rank
+from ..launcher import process_rank
 from ..optimizer import torch_optimizers
 from .policy import Decision, decide
 from .probe import MemoryProbe

@@ -7,7 +7,10 @@ how it ended into its status, with one message.
 | 0 | ``OK`` | it finished (or an ``--exit-*`` condition stopped it cleanly) |
 | 2 | ``USAGE`` | bad input (``UsageError``): a flag, a file, a checkout, named before any state is touched |
 | 3 | ``CHECKPOINT`` | a checkpoint that cannot be loaded or saved (``CheckpointError``) |
-| 75 | ``RESTART`` | a lost peer, or a rank stuck past ``--higgs-restart-timeout``: ``torchrun --max-restarts`` restarts the job, and ``--auto-resume`` resumes it from the latest committed checkpoint (EX_TEMPFAIL: try again) |
+| 75 | ``RESTART`` | a lost peer, or a rank stuck past ``--higgs-restart-timeout`` (EX_TEMPFAIL: try again) |
+
+On 75, ``torchrun --max-restarts`` restarts the job, and ``--auto-resume`` resumes it from the
+latest committed checkpoint.
 
 Any other error is not ours to name: it propagates, with its traceback (Python's status 1).
 """
@@ -21,7 +24,7 @@ from typing import Callable
 from ..checkpoint.manifest import CheckpointError
 from ..logs import get_logger, setup_logging
 from ..stability.regroup import RESTART_EXIT_CODE, peer_lost
-from .launcher import attempt_store, launcher_rank, process_rank
+from ..launcher import attempt_store, launcher_rank, process_rank
 
 log = get_logger(__name__)
 

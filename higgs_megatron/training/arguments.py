@@ -21,7 +21,7 @@ from ..memory import OffloadError
 from ..memory.flags import add_offload_args, offload_config_from_args
 from ..stability.exit_conditions import add_exit_args, check_exit_args
 from ..runtime.exits import UsageError
-from ..runtime.launcher import launcher_world_size
+from ..launcher import launcher_world_size
 from ..stability.flags import add_stability_args, check_stability
 from .length_buckets import parse_buckets
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from ..runtime.launcher import attempt_store
+from ..launcher import attempt_store
 
 
 def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,

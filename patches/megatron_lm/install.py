@@ -56,7 +56,7 @@ from higgs_megatron.memory import MemoryManager
 from higgs_megatron.memory.flags import apply_block_allocator, offload_config_from_args
 from higgs_megatron.runtime.exits import UsageError, report_usage_error
 from higgs_megatron.runtime.offload import attach_offload
-from higgs_megatron.runtime.launcher import launcher_rank
+from higgs_megatron.launcher import launcher_rank
 from higgs_megatron.stability.regroup import prepare_backend
 
 from .cpu import cpu_flag_problems
