@@ -13,10 +13,10 @@ def pretrain_on_rank(argv: list[str]):
 
 
 def coordinates() -> dict[str, int]:
-    from megatron.core import parallel_state as ps
+    """This rank's TP, PP and DP coordinates (the checkpoint's own reading of them)."""
+    from higgs_megatron.checkpoint.save import current_coords
 
-    return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
-            "dp": ps.get_data_parallel_rank()}
+    return {axis: rank for axis, rank in current_coords().items() if axis in ("tp", "pp", "dp")}
 
 
 def parameters(trainer) -> dict[str, torch.Tensor]:
@@ -245,10 +245,11 @@ def tensor_pieces(state: dict) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    from higgs_megatron.checkpoint.state import is_main_replica
+
     pieces = {}
     for value in nested_values(state):
-        if isinstance(value, ShardedTensor) and all(r == 0 for r in (value.replica_id if isinstance(
-                value.replica_id, tuple) else (value.replica_id,))):
+        if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
             data = value.data.detach().clone().reshape([1] * value.prepend_axis_num + list(value.local_shape))
             pieces.setdefault(value.key, []).append((tuple(value.global_shape), tuple(value.global_offset), data))
     return pieces

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from higgs_megatron_bench.ranks import REPO_ROOT, run_pretrain_script
+from higgs_megatron_patches.megatron_lm.cpu import CPU_FLAGS as PATCHES_CPU_FLAGS
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 _MISSING = [name for name in ("transformers", "einops", "tiktoken", "sentencepiece", "regex", "six", "triton")
@@ -28,9 +29,7 @@ pytestmark = [
 ]
 
 LAUNCHER = REPO_ROOT / "patches" / "run_pretrain_gpt.py"
-CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-             "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-             "--no-bias-dropout-fusion", "--no-rope-fusion"]
+CPU_FLAGS = [word for flag, _, _ in PATCHES_CPU_FLAGS for word in flag.split()]  # what the patches ask for
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-layers", "2",
          "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
          "--micro-batch-size", "2", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",

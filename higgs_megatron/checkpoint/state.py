@@ -156,7 +156,8 @@ def sharded_training_state(training: TrainingState, is_loading: bool = False, pe
     return state
 
 
-def _is_main_replica(replica_id) -> bool:
+def is_main_replica(replica_id) -> bool:
+    """Whether a shard's replica id marks the copy its rank writes (every part 0)."""
     if isinstance(replica_id, int):
         return replica_id == 0
     return all(r == 0 for r in replica_id)
@@ -167,7 +168,7 @@ def shard_records(state: dict, main_replica_only: bool = True) -> list[ShardReco
     records = []
     for value in nested_values(state):
         if isinstance(value, ShardedTensor):
-            if main_replica_only and not _is_main_replica(value.replica_id):
+            if main_replica_only and not is_main_replica(value.replica_id):
                 continue
             if value.flattened_range is not None:
                 raise ValueError(f"{value.key}: flattened shards are not supported (use fully_reshardable)")
