@@ -45,7 +45,8 @@ class HiggsConfig:
     """Density: the fraction of each bucket's coordinates sent per step, in (0, 1]."""
 
     compressor: str = field(default="topk", metadata=_flag(
-        "--higgs-compressor", "topk (exact), sampled-topk (a sampled threshold), none (dense)", choices=COMPRESSORS))
+        "--higgs-compressor", "topk: exact top-k; sampled-topk: a sampled threshold, then exact top-k among the "
+        "candidates; none: dense, through the same path", choices=COMPRESSORS))
     """'topk' (exact), 'sampled-topk' (threshold from a sample, DGC-style), or 'none'
     (dense, through the same machinery: Megatron's own collective on every bucket)."""
 
@@ -77,7 +78,7 @@ class HiggsConfig:
     payload: str = field(default="wide", metadata=_flag(
         "--higgs-payload", "wire format of the compressed payload: wide (int32 positions, the gradient's dtype), "
         "bf16 (positions as 16-bit block offsets or a bitmap, whichever is smaller; bf16 values), int8 (the same "
-        "positions, int8 values with a scale per span of coordinates), int4 (as int8, 4-bit values; the default)",
+        "positions, int8 values with a scale per span of coordinates), int4 (as int8, 4-bit values) (default: int4)",
         derived=True, choices=PAYLOADS))
     """The compressed payload's wire format (``compress.payload``): 'wide' sends int32 positions
     and values in the gradient's dtype; 'bf16' positions as 16-bit offsets within 64Ki-coordinate
@@ -105,7 +106,7 @@ class HiggsConfig:
     dense_int8: bool = field(default=False, metadata=_flag(
         "--higgs-dense-int8", "with --higgs-payload bf16, int8 or int4: send the dense steps of compressed buckets as every "
         "coordinate in int8 (a quarter of fp32's bytes), the rounding kept in the error-feedback residual (default: on "
-        "where it applies; --no-higgs-dense-int8: off)", derived=True, action=argparse.BooleanOptionalAction))
+        "with a blocked payload and error feedback)", derived=True, action=argparse.BooleanOptionalAction))
     """With a blocked payload (bf16, int8, int4): a compressed bucket's dense steps (the dense stage, refresh windows,
     a ramp's early steps) go as the int8 payload at density 1, every coordinate in order with
     a scale per 2,048 coordinates, gathered and summed like the sparse payload: a quarter of an
@@ -121,7 +122,7 @@ class HiggsConfig:
     """Buckets smaller than this stay dense (Megatron's own collective)."""
 
     sync: str = field(default="auto", metadata=_flag(
-        "--higgs-sync", "auto: per bucket, the path (dense, sparse or hierarchical) a cost model of the measured links "
+        "--higgs-sync", "auto: per bucket, the path (dense, sparse, sharded or hierarchical) a cost model of the measured links "
         "predicts fastest; sparse: "
         "each rank's own top-k, all-gathered (bytes per rank grow with the DP size); agreed: every rank sends the "
         "same blocks, chosen from block scores summed over the ranks, summed by an all-to-all (bytes per rank do "

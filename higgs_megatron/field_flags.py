@@ -27,13 +27,13 @@ def flag_dest(flag: str) -> str:
     return flag.lstrip("-").removeprefix("no-").replace("-", "_")
 
 
-def _flag_fields(config_class: type) -> list:
+def flag_fields(config_class: type) -> list:
     return [f for f in fields(config_class) if "flag" in f.metadata]
 
 
 def add_field_flags(group: argparse._ActionsContainer, config_class: type) -> None:
     """Add one flag per field of ``config_class`` that declares one, with the field's default."""
-    for config_field in _flag_fields(config_class):
+    for config_field in flag_fields(config_class):
         meta = config_field.metadata
         default = None if config_field.default is MISSING or meta.get("derived") else config_field.default
         group.add_argument(meta["flag"], dest=flag_dest(meta["flag"]), default=default, help=meta["help"],
@@ -42,9 +42,9 @@ def add_field_flags(group: argparse._ActionsContainer, config_class: type) -> No
 
 def field_values(args: argparse.Namespace, config_class: type) -> dict[str, Any]:
     """The values ``args`` holds for the flagged fields of ``config_class``, by field name."""
-    return {f.name: getattr(args, flag_dest(f.metadata["flag"])) for f in _flag_fields(config_class)}
+    return {f.name: getattr(args, flag_dest(f.metadata["flag"])) for f in flag_fields(config_class)}
 
 
 def field_flag(config_class: type, field_name: str) -> str:
     """The command-line flag of a field of ``config_class``."""
-    return next(f.metadata["flag"] for f in _flag_fields(config_class) if f.name == field_name)
+    return next(f.metadata["flag"] for f in flag_fields(config_class) if f.name == field_name)

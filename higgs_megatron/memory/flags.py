@@ -24,8 +24,8 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "memory use is above the threshold, back when it falls")
     add_field_flags(g, OffloadConfig)
     g.add_argument("--higgs-pin-memory-limit-gb", type=float, default=None,
-                   help="cap on this rank's pinned host copies (default: a quarter of host memory, shared by this "
-                        "host's ranks); beyond it, pageable")
+                   help="cap on this rank's pinned host copies, beyond which they are pageable (default: a quarter "
+                        "of host memory, shared by this host's ranks)")
     g.add_argument("--higgs-offload-schedule", default=None, metavar="F[xN],...",
                    help="replay this device-memory schedule (one fraction per step, e.g. 0.5x3,0.95x2,0.6) "
                         "instead of measuring: for tests and what-ifs")

@@ -1,0 +1,26 @@
+"""The README's flag tables are what the parsers say (``scripts/flag_tables.py`` writes them)."""
+
+import importlib.util
+
+from higgs_megatron_bench.ranks import REPO_ROOT
+
+
+def _flag_tables():
+    spec = importlib.util.spec_from_file_location("flag_tables", REPO_ROOT / "scripts" / "flag_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_flag_tables_are_generated_from_the_parsers():
+    tables = _flag_tables()
+    readme = (REPO_ROOT / "README.md").read_text()
+    _, changed = tables.rendered(readme)
+    assert changed == [], f"README.md's flag tables differ from the parsers: {changed} (python scripts/flag_tables.py)"
+    assert all(f"<!-- flags:{name} -->" in readme for name in tables.TABLES)  # every table is in it
+
+
+def test_a_changed_help_shows_as_a_changed_table():
+    tables = _flag_tables()
+    readme = (REPO_ROOT / "README.md").read_text().replace("keep only the newest N checkpoints", "keep them all")
+    assert tables.rendered(readme)[1] == ["checkpoints"]
