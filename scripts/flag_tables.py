@@ -1,15 +1,15 @@
-"""The README's flag tables, generated from the pretrain script's parser: the config dataclasses'
+"""The flag tables of the README and the docs, generated from the pretrain script's parser: the config dataclasses'
 flags (``HiggsConfig``, ``CheckpointConfig``, ``StabilityConfig``, ``OffloadConfig``) with
 their help and defaults, and the few Megatron-LM flags each table sits beside.
 
-    python scripts/flag_tables.py           # rewrite the tables between the README's markers
-    python scripts/flag_tables.py --check   # exit 1, naming the tables, where the README differs
+    python scripts/flag_tables.py           # rewrite the tables between the pages' markers
+    python scripts/flag_tables.py --check   # exit 1, naming the tables, where a page differs
 
 A table sits between ``<!-- flags:NAME -->`` and ``<!-- /flags -->``. Flag: with its metavar
 where it has one. Meaning: the flag's help,
 its choices appended; default: what the help says after "default:", else the parser's (on/off
 for a switch); a schedule field ``--use-higgs`` derives when not given reads "derived: ...".
-``tests/test_flag_tables.py`` fails when the README and this differ.
+``tests/test_flag_tables.py`` fails when a page and this differ.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from higgs_megatron.schedule import DERIVED  # noqa: E402
 from higgs_megatron.stability.flags import StabilityConfig  # noqa: E402
 from higgs_megatron.training.arguments import build_parser  # noqa: E402
 
-README = REPO / "README.md"
+FILES = (REPO / "README.md", REPO / "docs" / "compression.md")  # the pages with marked tables
 
 
 def _flags(config_class: type) -> list[str]:
@@ -91,17 +91,18 @@ def rendered(text: str) -> tuple[str, list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 where the README differs")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 where a page differs")
     args = parser.parse_args()
-    text, changed = rendered(README.read_text())
-    if args.check:
-        if changed:
-            sys.stderr.write(f"README.md: flag tables out of date: {', '.join(changed)} "
+    stale = 0
+    for page in FILES:
+        text, changed = rendered(page.read_text())
+        if args.check and changed:
+            sys.stderr.write(f"{page.relative_to(REPO)}: flag tables out of date: {', '.join(changed)} "
                              "(python scripts/flag_tables.py rewrites them)\n")
-            return 1
-        return 0
-    README.write_text(text)
-    return 0
+            stale += 1
+        elif not args.check:
+            page.write_text(text)
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":
