@@ -16,7 +16,7 @@ def test_the_flag_tables_are_generated_from_the_parsers():
     tables = _flag_tables()
     for page in tables.FILES:
         _, changed = tables.rendered(page.read_text())
-        assert changed == [], f"{page.name}: flag tables differ from the parsers: {changed} (python scripts/flag_tables.py)"
+        assert changed == [], f"{page.name}: flag tables differ from the parsers: {changed} (scripts/flag_tables.py)"
     readme = (REPO_ROOT / "README.md").read_text()
     assert all(f"<!-- flags:{name} -->" in readme for name in tables.TABLES)  # every table is in the README
 
