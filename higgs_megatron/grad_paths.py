@@ -119,18 +119,19 @@ class MegatronDense:
     """Megatron's own collective for the bucket (its work waited for as Megatron's). Wire:
     its ring all-reduce or reduce-scatter over ``world`` ranks; for a bucket with a
     hierarchical form, the slice's all-reduce across the nodes (what crosses the slow links,
-    which the form is weighed against). Not the all-reduce across optimizer instances that
-    follows a reduce-scatter: ``ddp.megatron_dense_wire`` counts Megatron's whole step."""
+    which the form is weighed against); with several optimizer instances, the shard's
+    all-reduce across them after the reduce-scatter inside one."""
 
     numel: int
     itemsize: int
     world: int
     reduce_scatter: bool
     piece: tuple[int, int] | None = None  # the hierarchical form's slice, which its residual covers
+    instances: int = 1  # Megatron's distributed-optimizer instances (``world`` ranks in each)
     name: ClassVar[str] = "dense"
 
     def wire_bytes(self, density: float = 1.0) -> float:
-        return dense_wire_bytes(self.numel * self.itemsize, self.world, self.reduce_scatter)
+        return dense_wire_bytes(self.numel * self.itemsize, self.world, self.reduce_scatter, self.instances)
 
     def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float) -> None:
         _dense_feedback(step, idx, grad, self.piece)

@@ -75,6 +75,7 @@ class BucketPaths:
     paths: dict[float, str] = field(default_factory=dict)  # density -> path
     int8_verdict: bool | None = None  # under 'auto', once decided: whether int8_pays
     sum_density_factor: float = 1.0  # config.sum_density_factor: the sharded form's owner's density
+    instances: int = 1  # Megatron's distributed-optimizer instances, over which a dense shard is all-reduced
     _made_paths: dict[object, GradPath] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
@@ -101,7 +102,8 @@ class BucketPaths:
             if self.form == "hierarchical":
                 megatron = MegatronDense(self.plan.numel, self.dtype.itemsize, self.nodes, False, self.slice)
             else:
-                megatron = MegatronDense(self.numel, self.dtype.itemsize, self.world, self.distributed_optimizer)
+                megatron = MegatronDense(self.numel, self.dtype.itemsize, self.world, self.distributed_optimizer,
+                                         instances=self.instances)
             return Bf16Dense(megatron) if self.dense_in_bf16 else megatron
         return self._made(("dense", self.form, self.slice), make)
 
@@ -239,7 +241,8 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
                        distributed_optimizer=distributed_optimizer, nodes=nodes.nodes if nodes is not None else 1,
                        dense_bf16=config.dense_bf16 and bool(candidates) and not instances and dtype.itemsize > 2,
                        dense_int8=config.dense_int8 and bool(candidates) and not instances,
-                       sum_density_factor=config.sum_density_factor)
+                       sum_density_factor=config.sum_density_factor,
+                       instances=nodes.nodes if instances else 1)
 
 
 def choose_form(bucket: BucketPaths, costs: LinkCosts, density: float) -> dict:

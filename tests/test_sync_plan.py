@@ -154,3 +154,17 @@ def test_the_sharded_form_refuses_wide_values_of_a_narrower_gradient():
     with pytest.raises(ValueError, match="--higgs-payload wide needs fp32 gradients"):
         plan("sharded")
     assert set(plan("auto").candidates) == {"sparse"}
+
+
+def test_a_dense_bucket_under_optimizer_instances_prices_megatrons_whole_step():
+    """With two distributed-optimizer instances of four ranks, Megatron's dense step is the
+    reduce-scatter inside the instance and the shard's all-reduce across the two: the dense
+    path prices both (as ``ddp.megatron_dense_wire`` counts them)."""
+    from higgs_megatron.reduce.wire import dense_wire_bytes
+
+    config = HiggsConfig(min_bucket_numel=10 ** 9)  # this bucket stays dense
+    paths = plan_bucket("b", NUMEL, torch.float32, SLOTS, config, NodeShape(2, 4, 0, instances=True), CPU, world=4,
+                        distributed_optimizer=True)
+    assert paths.form is None and path_at(paths, 0.25, None) == "dense"
+    assert paths.plain_dense_wire() == dense_wire_bytes(4 * NUMEL, 4, True, instances=2)
+    assert paths.plain_dense_wire() > dense_wire_bytes(4 * NUMEL, 4, True)
