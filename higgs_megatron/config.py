@@ -105,7 +105,8 @@ class HiggsConfig:
 
     dense_int8: bool = field(default=False, metadata=_flag(
         "--higgs-dense-int8", "with --higgs-payload bf16, int8 or int4: send the dense steps of compressed buckets as every "
-        "coordinate in int8 (a quarter of fp32's bytes), the rounding kept in the error-feedback residual (default: on "
+        "coordinate in int8 (a quarter of fp32's bytes per coordinate), the rounding kept in the error-feedback "
+        "residual (default: on "
         "with a blocked payload and error feedback)", derived=True, action=argparse.BooleanOptionalAction))
     """With a blocked payload (bf16, int8, int4): a compressed bucket's dense steps (the dense stage, refresh windows,
     a ramp's early steps) go as the int8 payload at density 1, every coordinate in order with
@@ -124,10 +125,10 @@ class HiggsConfig:
     sync: str = field(default="auto", metadata=_flag(
         "--higgs-sync", "auto: per bucket, the path (dense, sparse, sharded or hierarchical) a cost model of the measured links "
         "predicts fastest; sparse: "
-        "each rank's own top-k, all-gathered (bytes per rank grow with the DP size); agreed: every rank sends the "
-        "same blocks, chosen from block scores summed over the ranks, summed by an all-to-all (bytes per rank do "
+        "each rank's own top-k, all-gathered (wire bytes per rank grow with the DP size); agreed: every rank sends the "
+        "same blocks, chosen from block scores summed over the ranks, summed by an all-to-all (wire bytes per rank do "
         "not grow with the DP size); sharded: each rank's own top-k of each shard to its owner by an all-to-all, "
-        "the owners' top-k of their sums all-gathered (bytes per rank do not grow with the DP size)",
+        "the owners' top-k of their sums all-gathered (wire bytes per rank do not grow with the DP size)",
         choices=SYNC_MODES))
     """Per bucket: 'sparse' compresses, each rank its own top-k, all-gathered (``reduce.sparse_allreduce``:
     the bytes on each rank's link grow with the DP size); 'agreed' compresses, every rank the same

@@ -280,6 +280,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                         distributed_optimizer=self.ddp_config.use_distributed_optimizer)
             for idx, bucket in enumerate(self.buckets)]
         self.higgs_residuals: list[ResidualBuffer | None] = []
+        # What Megatron's dense reduction of these buckets hands to collectives and puts on the wire, per step.
+        self.higgs_dense_traffic = (sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buckets),
+                                    sum(megatron_dense_wire(self, b.grad_data) for b in self.buckets))
 
     def _higgs_make_residuals(self) -> None:
         """Once the forms are final: a residual per compressed bucket, the size of its plan."""
@@ -368,11 +371,10 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             scores=self.higgs_scores, key=lambda idx: (self.higgs_index, idx), megatron=self._megatron_collective,
             bounded=shared.sync_timeout is not None, nodes=shared.nodes, wait=shared.wait,
             shard=self.intra_distributed_optimizer_instance_rank if distributed_optimizer else None)
+        launch.stats.dense_bytes, launch.stats.dense_wire_bytes = self.higgs_dense_traffic
         for idx, bucket in enumerate(self.buckets):
             path, step_density = self.higgs_buckets[idx].step_path(density, dense, launch.force_all_reduce,
                                                                     shared.costs)
-            launch.stats.dense_bytes += bucket.grad_data.numel() * bucket.grad_data.element_size()
-            launch.stats.dense_wire_bytes += megatron_dense_wire(self, bucket.grad_data)
             launch.add(shared.launch(lambda: path.launch(launch, idx, bucket.grad_data, step_density)))
         if launch.sums is not None:
             self.higgs_nonfinite = torch.isfinite(torch.stack(launch.sums)).all().logical_not()

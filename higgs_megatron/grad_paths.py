@@ -145,8 +145,8 @@ class MegatronDense:
 @dataclass(frozen=True)
 class Bf16Dense:
     """A bf16 copy of the bucket reduced, the rounding kept in the residual
-    (``reduce.cast_reduce``); Megatron's own collective where there is no residual to keep it
-    in, or when Megatron forces its all-reduce."""
+    (``reduce.cast_reduce``; ``--higgs-dense-bf16`` needs error feedback). Where Megatron forces
+    its own all-reduce, ``BucketPaths.step_path`` takes ``megatron`` instead."""
 
     megatron: MegatronDense
     name: ClassVar[str] = "dense"
@@ -156,8 +156,6 @@ class Bf16Dense:
 
     def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float) -> Any:
         residual = step.residuals[idx]
-        if residual is None or step.force_all_reduce:
-            return self.megatron.launch(step, idx, grad, density)
         with step.timer.measure(grad.device):
             residual.accumulate(grad)
             wire = grad.to(torch.bfloat16)

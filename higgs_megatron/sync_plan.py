@@ -26,7 +26,7 @@ with the same sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -76,7 +76,7 @@ class BucketPaths:
     int8_verdict: bool | None = None  # under 'auto', once decided: whether int8_pays
     sum_density_factor: float = 1.0  # config.sum_density_factor: the sharded form's owner's density
     instances: int = 1  # Megatron's distributed-optimizer instances, over which a dense shard is all-reduced
-    _made_paths: dict[object, GradPath] = field(default_factory=dict, init=False, compare=False, repr=False)
+    _made_paths: dict[object, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def dense_in_bf16(self) -> bool:
@@ -89,9 +89,10 @@ class BucketPaths:
         """Whether its dense steps send every coordinate in int8, through its flat form at density
         1 (``dense_int8``); not with a hierarchical slice, as ``dense_in_bf16``; and only where
         that puts fewer bytes on the link than the plain dense step (an all-gather at this size).
-        """
-        return (self.dense_int8 and self.slice is None and self.form in ("sparse", "agreed", "sharded")
-                and self.form_wire(1.0, int8=True) < self.plain_dense_wire())
+        Decided once per form (not per step)."""
+        return self._made(("dense-in-int8", self.form, self.slice), lambda: (
+            self.dense_int8 and self.slice is None and self.form in ("sparse", "agreed", "sharded")
+            and self.form_wire(1.0, int8=True) < self.plain_dense_wire()))
 
     @property
     def dense_path(self) -> MegatronDense | Bf16Dense:
@@ -125,8 +126,8 @@ class BucketPaths:
             return ShardedForm(plan, self.dtype, self.world, gather, self.sum_density_factor)
         return self._made(form, make)
 
-    def _made(self, key: object, make: Callable[[], GradPath]) -> GradPath:
-        """The path made once per key (what it is made of: the form, its slice), not once a step."""
+    def _made(self, key: object, make: Callable[[], Any]) -> Any:
+        """Made once per key (what it is made of: the form, its slice), not once a step."""
         if key not in self._made_paths:
             self._made_paths[key] = make()
         return self._made_paths[key]
@@ -147,12 +148,16 @@ class BucketPaths:
                   ) -> tuple[GradPath, float]:
         """This step's path (``path_at``, or dense in a dense stage) and the density it takes: a
         dense step goes through the form, every coordinate in int8, where ``dense_in_int8``
-        and that pays (under 'auto', where the cost model says so: ``int8_pays``)."""
+        and that pays (under 'auto', where the cost model says so: ``int8_pays``); Megatron's
+        own collective, whatever the bucket's dense steps are, where Megatron forces it."""
         if not dense and path_at(self, density, costs) != "dense":
             return self.form_path, density
-        if self.dense_in_int8 and not force_all_reduce and self.int8_pays(costs):
+        dense_path = self.dense_path
+        if force_all_reduce:
+            return (dense_path.megatron if isinstance(dense_path, Bf16Dense) else dense_path), density
+        if self.dense_in_int8 and self.int8_pays(costs):
             return self._made(("dense-int8", self.form), lambda: DenseInt8(self.form_path)), 1.0
-        return self.dense_path, density
+        return dense_path, density
 
     def int8_pays(self, costs: LinkCosts | None) -> bool:
         """Whether a dense step in int8 through the form (``dense_in_int8``) is worth its

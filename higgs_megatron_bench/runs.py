@@ -17,7 +17,7 @@ from typing import Sequence
 
 from higgs_megatron.logs import get_logger, setup_logging
 
-REPO = Path(__file__).resolve().parent.parent
+from .ranks import REPO_ROOT as REPO  # one root for the kit
 
 
 log = get_logger(__name__)

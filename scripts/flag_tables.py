@@ -24,9 +24,8 @@ sys.path.insert(0, str(REPO))
 
 from higgs_megatron.checkpoint.flags import CheckpointConfig  # noqa: E402
 from higgs_megatron.config import HiggsConfig  # noqa: E402
-from higgs_megatron.field_flags import field_flag, flag_fields  # noqa: E402
+from higgs_megatron.field_flags import flag_fields  # noqa: E402
 from higgs_megatron.memory import OffloadConfig  # noqa: E402
-from higgs_megatron.schedule import DERIVED  # noqa: E402
 from higgs_megatron.stability.flags import StabilityConfig  # noqa: E402
 from higgs_megatron.training.arguments import build_parser  # noqa: E402
 
@@ -44,7 +43,7 @@ TABLES = {
     "memory": ["--higgs-offload", *_flags(OffloadConfig), "--higgs-pin-memory-limit-gb", "--higgs-offload-schedule",
                "--higgs-block-allocator"],
 }
-DERIVED_FLAGS = {field_flag(HiggsConfig, name) for name in DERIVED}
+DERIVED_FLAGS = {f.metadata["flag"] for f in flag_fields(HiggsConfig) if f.metadata.get("derived")}
 _DEFAULT_IN_HELP = re.compile(r"^(?P<meaning>.*?)(?: \(default:? (?P<paren>[^()]*)\)|; default:? (?P<semi>[^()]*)\))$")
 
 

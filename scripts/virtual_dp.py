@@ -53,13 +53,11 @@ from fake_group import fake_group  # noqa: E402
 from higgs_megatron.compress.selection import make_selector  # noqa: E402
 from higgs_megatron.ddp import HiggsBucketGroup, HiggsDDP, SyncStats  # noqa: E402
 from higgs_megatron.device import DeviceTimer  # noqa: E402
-from higgs_megatron.logs import get_logger  # noqa: E402
 from higgs_megatron.reduce.wire import Collectives  # noqa: E402
-from higgs_megatron.training.arguments import UsageError, parse_args  # noqa: E402
+from higgs_megatron.runtime.exits import UsageError, exit_status  # noqa: E402
+from higgs_megatron.training.arguments import parse_args  # noqa: E402
 from higgs_megatron.training.launch import training_environment  # noqa: E402
 from higgs_megatron.training.loop import Trainer  # noqa: E402
-
-log = get_logger("virtual_dp")
 
 
 class _Meeting:
@@ -363,12 +361,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.dp < 1:
         parser.error(f"--dp {args.dp}: expected a positive number of ranks")
-    try:
-        run_virtual(args.dp, args.pretrain)
-    except UsageError as error:
-        log.error(error.message)
-        return 2
-    return 0
+    return exit_status(lambda: run_virtual(args.dp, args.pretrain), prog="virtual_dp.py")
 
 
 if __name__ == "__main__":

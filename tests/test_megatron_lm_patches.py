@@ -245,7 +245,7 @@ def test_both_launchers_end_a_run_with_the_same_exit_status(end, status, tmp_pat
         assert said.count(message) == 1 and proc.stderr.count(message) == 1, (message, said, proc.stderr)
 
 
-def test_a_usage_error_is_said_once_wherever_it_is_caught():
+def test_a_usage_error_is_said_once_wherever_it_is_caught(caplog):
     from higgs_megatron.runtime.exits import exit_status, report_usage_error
 
     error = UsageError("--foo: expected bar")
@@ -255,6 +255,7 @@ def test_a_usage_error_is_said_once_wherever_it_is_caught():
         report_usage_error(error)  # as the patches do inside Megatron-LM's parse_args
         raise error
 
-    assert exit_status(raise_reported, prog="test") == ExitStatus.USAGE and error.reported
+    assert exit_status(raise_reported, prog="test") == ExitStatus.USAGE
+    assert [record.getMessage() for record in caplog.records].count("--foo: expected bar") == 1
     with pytest.raises(RuntimeError, match="not ours"):  # anything else keeps its traceback
         exit_status(lambda: (_ for _ in ()).throw(RuntimeError("not ours")), prog="test")

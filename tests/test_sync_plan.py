@@ -159,7 +159,8 @@ def test_the_sharded_form_refuses_wide_values_of_a_narrower_gradient():
 def test_a_dense_bucket_under_optimizer_instances_prices_megatrons_whole_step():
     """With two distributed-optimizer instances of four ranks, Megatron's dense step is the
     reduce-scatter inside the instance and the shard's all-reduce across the two: the dense
-    path prices both (as ``ddp.megatron_dense_wire`` counts them)."""
+    path prices both, with the formula ``ddp.megatron_dense_wire`` counts them by (more than
+    the reduce-scatter alone)."""
     from higgs_megatron.reduce.wire import dense_wire_bytes
 
     config = HiggsConfig(min_bucket_numel=10 ** 9)  # this bucket stays dense

@@ -173,8 +173,9 @@ def _check_checkpoints(args: argparse.Namespace, world_size: int) -> None:
         checkpoint_config_from_args(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    resuming_own_saves = args.auto_resume and args.load is None
+    given = args.load
     args.load = load_directory(args)
+    resuming_own_saves = args.load is not None and given is None  # --auto-resume's own --save
     if args.load is not None and not os.path.isdir(args.load) and not resuming_own_saves:
         raise UsageError(f"--load {args.load}: no such directory")
 

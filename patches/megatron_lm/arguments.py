@@ -23,7 +23,6 @@ silently ignored.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Callable
 
 from higgs_megatron.checkpoint.flags import add_rank_map_args, checkpoint_config_from_args, load_directory
@@ -31,6 +30,7 @@ from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from
 from higgs_megatron.given_flags import flags_given
 from higgs_megatron.memory import OffloadError
 from higgs_megatron.memory.flags import add_offload_args, offload_config_from_args
+from higgs_megatron.launcher import launcher_world_size
 from higgs_megatron.runtime.exits import UsageError
 from higgs_megatron.stability.flags import add_stability_args, check_stability
 
@@ -83,7 +83,7 @@ def run_length(args: argparse.Namespace) -> tuple[int, int]:
     if not batch:  # parsed, not yet validated: Megatron-LM's default, a micro-batch per data-parallel rank
         model_parallel = (getattr(args, "tensor_model_parallel_size", 1) * getattr(args, "pipeline_model_parallel_size", 1)
                           * getattr(args, "context_parallel_size", 1))
-        world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+        world = getattr(args, "world_size", None) or launcher_world_size()
         batch = (getattr(args, "micro_batch_size", None) or 1) * max(1, world // max(1, model_parallel))
     iters = getattr(args, "train_iters", None) or (getattr(args, "train_samples", None) or 0) // batch
     decay = getattr(args, "lr_decay_iters", None) or (getattr(args, "lr_decay_samples", None) or 0) // batch or iters
