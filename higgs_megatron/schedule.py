@@ -31,13 +31,10 @@ DENSITY = 0.25
 PAYLOAD = "int4"
 RAMP_SHARE = 20  # the ramp: a twentieth of the run
 
-DERIVED = ("compression_ratio", "payload", "dense_iters", "density_warmup_iters", "dense_int8")
-"""The HiggsConfig fields a run derives when their flags are not given."""
-
-
 def derived_schedule(given: dict[str, Any], train_iters: int, lr_warmup_iters: int) -> dict[str, Any]:
-    """``given`` (HiggsConfig field values, None where a ``DERIVED`` field's flag was not given)
-    with every None of ``DERIVED`` filled from the run (see the module docstring)."""
+    """``given`` (HiggsConfig field values, None where a derived field's flag, ``derived=True``
+    in its metadata, was not given) with each such None filled from the run (see the module
+    docstring)."""
     values = dict(given)
     derived = {"compression_ratio": DENSITY, "payload": PAYLOAD, "dense_iters": lr_warmup_iters,
                "density_warmup_iters": train_iters // RAMP_SHARE}
