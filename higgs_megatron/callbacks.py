@@ -14,7 +14,7 @@ import argparse
 from typing import Any
 
 
-def _scalars(fields: dict[str, Any]) -> dict[str, float]:
+def scalars(fields: dict[str, Any]) -> dict[str, float]:
     return {key: value for key, value in fields.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("iteration", "time")}
 
@@ -41,12 +41,12 @@ class TensorBoardCallback(Callback):
         self.writer = SummaryWriter(log_dir=log_dir)
 
     def on_iteration(self, iteration: int, fields: dict[str, Any]) -> None:
-        for key, value in _scalars(fields).items():
+        for key, value in scalars(fields).items():
             self.writer.add_scalar(key, value, iteration)
 
     def on_event(self, name: str, fields: dict[str, Any]) -> None:
         if "iteration" in fields:
-            for key, value in _scalars(fields).items():
+            for key, value in scalars(fields).items():
                 self.writer.add_scalar(f"{name}/{key}", value, fields["iteration"])
 
     def close(self) -> None:
@@ -64,11 +64,11 @@ class WandbCallback(Callback):
         self.counts: dict[str, int] = {}
 
     def on_iteration(self, iteration: int, fields: dict[str, Any]) -> None:
-        self.run.log(_scalars(fields), step=iteration)
+        self.run.log(scalars(fields), step=iteration)
 
     def on_event(self, name: str, fields: dict[str, Any]) -> None:
         self.counts[name] = self.counts.get(name, 0) + 1
-        values = {f"{name}/{key}": value for key, value in _scalars(fields).items()}
+        values = {f"{name}/{key}": value for key, value in scalars(fields).items()}
         values[f"{name}/count"] = self.counts[name]
         self.run.log(values, step=fields["iteration"]) if "iteration" in fields else self.run.log(values)
 

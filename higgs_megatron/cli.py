@@ -21,7 +21,7 @@ from typing import Sequence
 
 from .checkpoint.manifest import CheckpointError, Layout
 from .checkpoint.tool import format_inspect, format_plan, format_verify, inspect, plan, verify
-from .checkpoint.validation import RECOVERY_MODES
+from .checkpoint.load import RECOVERY_MODES
 from .logs import get_logger, setup_logging
 
 log = get_logger(__name__)

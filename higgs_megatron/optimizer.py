@@ -26,23 +26,17 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 
+from .checkpoint.state import residual_objects, torch_optimizers
 from .ddp import HiggsDDP
 from .device import collective_device
 from .frozen_variance import check_supported, freeze_variance
 from .stability.alignment import StepDecision, Verdict
 from .stability.progress import job_store
 from .stability.regroup import rebuild_process_groups
-
-def torch_optimizers(optimizer) -> list:
-    """(Megatron optimizer, torch optimizer) pairs of a possibly wrapped, possibly chained optimizer."""
-    inner = getattr(optimizer, "inner", optimizer)
-    return [(m, m.optimizer) for m in getattr(inner, "chained_optimizers", [inner])]
-
 
 _DELEGATED = (
     "get_parameters", "get_main_grads_for_grad_norm", "get_grad_stats_parallel_group", "prepare_grads",
@@ -145,11 +139,7 @@ class HiggsOptimizer(MegatronOptimizer):
         state = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if is_loading and self.skip_residuals_on_load:
             return state
-        rank, world = dist.get_rank(), dist.get_world_size()
-        state["higgs_residuals"] = [
-            ShardedObject(f"higgs.residuals.chunk{i}", chunk.residual_state(), (world,), (rank,), replica_id=0)
-            for i, chunk in enumerate(self.model_chunks)
-        ]
+        state["higgs_residuals"] = residual_objects(self.model_chunks)
         return state
 
     def load_higgs_residuals(self, loaded: list) -> None:

@@ -1,6 +1,8 @@
 """The flag tables of the README and the docs, generated from the pretrain script's parser: the config dataclasses'
 flags (``HiggsConfig``, ``CheckpointConfig``, ``StabilityConfig``, ``OffloadConfig``) with
-their help and defaults, and the few Megatron-LM flags each table sits beside.
+their help and defaults, and the few Megatron-LM flags each table sits beside; the script's
+own groups of Megatron-LM flags (model, parallelism, training, data, logging); and the table
+of what a flag needs of another (``runtime.run_config.RULES``, ``<!-- flags:rules -->``).
 
     python scripts/flag_tables.py           # rewrite the tables between the pages' markers
     python scripts/flag_tables.py --check   # exit 1, naming the tables, where a page differs
@@ -26,10 +28,13 @@ from higgs_megatron.checkpoint.flags import CheckpointConfig  # noqa: E402
 from higgs_megatron.config import HiggsConfig  # noqa: E402
 from higgs_megatron.field_flags import flag_fields  # noqa: E402
 from higgs_megatron.memory import OffloadConfig  # noqa: E402
+from higgs_megatron.runtime.run_config import RULES  # noqa: E402
 from higgs_megatron.stability.flags import StabilityConfig  # noqa: E402
 from higgs_megatron.training.arguments import build_parser  # noqa: E402
 
-FILES = (REPO / "README.md", REPO / "docs" / "compression.md")  # the pages with marked tables
+FILES = tuple(REPO / page for page in ("README.md", "docs/compression.md", "docs/pretrain_script.md",
+                                       "docs/checkpoints.md"))  # the pages with marked tables
+GROUPS = ("model", "parallelism", "training", "data", "logging")  # the pretrain script's own argument groups
 
 
 def _flags(config_class: type) -> list[str]:
@@ -70,8 +75,22 @@ def row(parser: argparse.ArgumentParser, flag: str) -> str:
     return f"| {names} | {meaning.replace('|', '/')} | {default} |"
 
 
+def group_flags(parser: argparse.ArgumentParser, title: str) -> list[str]:
+    group = next(g for g in parser._action_groups if g.title == title)
+    return [action.option_strings[0] for action in group._group_actions]
+
+
+def rules_table() -> str:
+    rows = [f"| `{rule.flags}` | {rule.word} `{rule.needs}` | {rule.why or ''} | {', '.join(rule.front_ends)} |"
+            for rule in RULES]
+    return "\n".join(["| flag | needs | why | front-ends |", "|---|---|---|---|"] + rows)
+
+
 def table(parser: argparse.ArgumentParser, name: str) -> str:
-    return "\n".join(["| flag | meaning | default |", "|---|---|---|"] + [row(parser, flag) for flag in TABLES[name]])
+    if name == "rules":
+        return rules_table()
+    flags = group_flags(parser, name) if name in GROUPS else TABLES[name]
+    return "\n".join(["| flag | meaning | default |", "|---|---|---|"] + [row(parser, flag) for flag in flags])
 
 
 def rendered(text: str) -> tuple[str, list[str]]:

@@ -99,7 +99,7 @@ def train_variants(variants: dict[str, list[str]], ballast: dict | None = None) 
         for name, argv in variants.items():
             args = parse_args(argv)  # here, not before: a --load directory is written by an earlier variant
             trainer = Trainer(args)
-            if trainer.memory is not None and ballast is not None:
+            if trainer.runtime.memory is not None and ballast is not None:
                 out["readings"][name] = _with_ballast(trainer, **ballast)
             result = trainer.train()
             out["params"][name] = _parameters(trainer)
@@ -115,7 +115,7 @@ def _with_ballast(trainer, during: tuple[int, int], nbytes: int) -> list:
     steps in ``during`` (so the allocator's peak crosses a threshold set between the model's
     own peak and that peak plus the ballast) and record every probe reading."""
     readings = []
-    memory, original_step, original_read = trainer.memory, trainer.train_step, trainer.memory.probe.read
+    memory, original_step, original_read = trainer.runtime.memory, trainer.train_step, trainer.runtime.memory.probe.read
 
     def read():
         reading = original_read()

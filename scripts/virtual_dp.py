@@ -329,8 +329,8 @@ def check_supported(args: argparse.Namespace) -> None:
     if args.num_distributed_optimizer_instances != 1:
         raise UsageError("virtual_dp: --num-distributed-optimizer-instances is not covered (one level of "
                          "data parallelism: the virtual group)")
-    if args.higgs_config.sync in ("auto", "hierarchical") and args.higgs_config.compressor != "none":
-        raise UsageError(f"virtual_dp: --higgs-sync {args.higgs_config.sync} measures links and nodes the "
+    if args.run_config.compression.sync in ("auto", "hierarchical") and args.run_config.compression.compressor != "none":
+        raise UsageError(f"virtual_dp: --higgs-sync {args.run_config.compression.sync} measures links and nodes the "
                          "virtual group does not have; name a form (sparse, agreed, sharded)")
     if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
         raise UsageError("virtual_dp: data parallelism only (--tensor/--pipeline-model-parallel-size 1)")

@@ -14,7 +14,7 @@ def pretrain_on_rank(argv: list[str]):
 
 def coordinates() -> dict[str, int]:
     """This rank's TP, PP and DP coordinates (the checkpoint's own reading of them)."""
-    from higgs_megatron.checkpoint.save import current_coords
+    from higgs_megatron.checkpoint.manifest import current_coords
 
     return {axis: rank for axis, rank in current_coords().items() if axis in ("tp", "pp", "dp")}
 
@@ -220,9 +220,9 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
                 trainer_box["trainer"] = trainer
             start = trainer.iteration
             resident_after_saves = []
-            if trainer.memory is not None:  # the optimizer state still on the device once each save returns
+            if trainer.runtime.memory is not None:  # the optimizer state still on the device once each save returns
                 save = trainer.save
-                trainer.save = lambda **kw: (save(**kw), resident_after_saves.append(trainer.memory.resident_bytes()))
+                trainer.save = lambda **kw: (save(**kw), resident_after_saves.append(trainer.runtime.memory.resident_bytes()))
             state_after_load = tensor_pieces(sharded_training_state(trainer.training_state())) if args.load else None
             result = trainer.train()
             out = {"start": start, "losses": result.losses, "after_load": state_after_load,

@@ -12,7 +12,7 @@ from tests.common_workers import parameters, train_variants
 def staged_sync(variants: dict[str, list[str]]) -> dict:
     """``train_variants``, recording per step of the last variant the bytes sent, the dense
     bytes and a checksum of Adam's second moment after the step."""
-    from higgs_megatron.optimizer import torch_optimizers
+    from higgs_megatron.checkpoint.state import torch_optimizers
     from higgs_megatron.training.loop import Trainer
 
     sent, dense, variance = [], [], []

@@ -96,7 +96,7 @@ def test_under_torchrun_the_message_appears_once_and_ranks_exit_2(rank0, tmp_pat
     (["--use-higgs", "--higgs-dense-iters", "0", "--higgs-freeze-adam-variance"],
      "--higgs-freeze-adam-variance: freeze_adam_variance needs dense_iters > 0"),
     (["--use-higgs", "--higgs-dense-iters", "5", "--higgs-freeze-adam-variance", "--optimizer", "sgd"],
-     "--higgs-freeze-adam-variance: freezes Adam's second moment; --optimizer is sgd"),
+     "--higgs-freeze-adam-variance: needs --optimizer adam (it freezes Adam's second moment)"),
     (["--use-higgs", "--higgs-payload", "wide", "--higgs-dense-int8"], "--higgs-dense-int8: dense_int8 sends dense steps as a payload with every "
      "coordinate, which the blocked payloads have: it needs payload bf16, int8 or int4 (got 'wide') and not dense_bf16"),
     (["--use-higgs", "--higgs-sum-density-factor", "0.5"],
@@ -120,7 +120,7 @@ def test_bad_higgs_flags_are_named(argv, message):
 def test_flags_that_need_no_compressed_sync_are_accepted_without_use_higgs():
     args = parse_args(["--check-weight-hash-across-dp-replicas-interval", "5", "--higgs-sync", "auto"],
                       world_size=2)  # a flag at its default is not "given"
-    assert args.higgs_config is None and args.check_weight_hash_across_dp_replicas_interval == 5
+    assert args.run_config.compression is None and args.check_weight_hash_across_dp_replicas_interval == 5
 
 
 def test_wandb_project_without_wandb_is_named(monkeypatch):
@@ -163,7 +163,7 @@ def test_use_higgs_alone_derives_its_schedule_from_the_run():
     the learning-rate warm-up, a ramp over a twentieth of the run; a schedule flag given
     overrides its value alone (an explicit 0 included)."""
     def config(*flags):
-        return parse_args(["--train-iters", "300", "--use-higgs", *flags], world_size=2).higgs_config
+        return parse_args(["--train-iters", "300", "--use-higgs", *flags], world_size=2).run_config.compression
 
     alone = config()
     assert (alone.compression_ratio, alone.payload, alone.dense_iters, alone.density_warmup_iters,
@@ -197,7 +197,7 @@ def test_a_loop_of_ones_own_gets_the_same_derived_schedule():
     """``HiggsConfig.for_run``: the schedule ``--use-higgs`` derives, for the Python API."""
     from higgs_megatron.config import HiggsConfig
 
-    from_flags = parse_args(["--train-iters", "300", "--use-higgs", "--higgs-sync", "sparse"], world_size=2).higgs_config
+    from_flags = parse_args(["--train-iters", "300", "--use-higgs", "--higgs-sync", "sparse"], world_size=2).run_config.compression
     assert HiggsConfig.for_run(300, 30, sync="sparse") == from_flags
     assert HiggsConfig.for_run(300, 30, payload="wide").dense_int8 is False
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from higgs_megatron.checkpoint.manifest import MANIFEST_NAME, Manifest
-from higgs_megatron.checkpoint.validation import _intersection_volume
+from higgs_megatron.checkpoint.load import _intersection_volume
 from higgs_megatron_bench.ranks import RankFailure, run_pretrain_script, run_ranks
 from tests.checkpoint_workers import optimizer_state_both_ways
 from tests.common_workers import run_trainer

@@ -103,7 +103,10 @@ def test_higgs_none_equals_dense_for_10_iterations_and_one_percent_trains(layout
     losses = column(sparse, "lm loss")
     assert len(losses) == 10 and sum(losses[-3:]) < sum(losses[:3]), losses
     sent, dense_bytes = column(sparse, "higgs MB sent"), column(sparse, "higgs MB dense")
-    assert all(0 < s < d / 5 for s, d in zip(sent, dense_bytes)), (sent, dense_bytes)
+    if layout == "tp2":  # one data-parallel rank: no peer to send to, so nothing is compressed
+        assert sent == dense_bytes, (sent, dense_bytes)
+    else:
+        assert all(0 < s < d / 5 for s, d in zip(sent, dense_bytes)), (sent, dense_bytes)
     assert set(column(sparse, "higgs density")) == {0.01}
 
 

@@ -113,7 +113,7 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--higgs-offload", "--log-params-norm"], r"--log-params-norm with --higgs-offload"),
     (["--auto-resume"], r"--auto-resume: needs --save"),
     (["--higgs-step-timeout", "0"], r"--higgs-step-timeout must be positive, got 0.0"),
-    (["--higgs-restart-timeout", "60"], r"--higgs-restart-timeout needs --higgs-step-timeout"),
+    (["--higgs-restart-timeout", "60"], r"--higgs-restart-timeout: needs --higgs-step-timeout"),
     (["--higgs-step-timeout", "10", "--higgs-restart-timeout", "5"], r"--higgs-restart-timeout 5 must be longer"),
     (["--inject-fault", "hang@1"], r"--inject-fault 'hang@1': expected KIND@RANK:ITER\[:SECONDS\]"),
     (["--inject-fault", "nan@0:2"], r"--inject-fault nan: .*add --no-check-for-nan-in-loss-and-grad"),
@@ -131,7 +131,8 @@ def test_our_flags_map_onto_megatron_lms():
     args = parse("--use-higgs", "--higgs-compression-ratio", "0.02", "--save", "/s", "--load", "/s",
                  "--checkpoint-version", "30", "--async-checkpoint", "--use-distributed-optimizer")
     config = translate_args(args)
-    assert config.compression_ratio == 0.02
+    assert config.compression.compression_ratio == 0.02
+    assert config.checkpoint.checkpoint_version == 30 and config.checkpoint.async_checkpoint
     assert args.ckpt_step == 30
     assert args.async_save and args.use_persistent_ckpt_worker
     assert args.dist_ckpt_optim_fully_reshardable  # so that --recovery-mode reshard can load it later
@@ -142,15 +143,17 @@ def test_our_flags_map_onto_megatron_lms():
 def test_auto_resume_loads_from_save_and_stability_flags_stay_plain_values():
     args = parse("--use-higgs", "--save", "/s", "--auto-resume", "--higgs-step-timeout", "5",
                  "--inject-fault", "nan@0:2", "--no-check-for-nan-in-loss-and-grad")
-    translate_args(args)
-    assert args.load == "/s"
+    config = translate_args(args)
+    assert args.load == "/s" and config.checkpoint.load == "/s"
+    assert [str(fault) for fault in config.stability.faults] == ["nan@0:2"]
     assert args.inject_fault == ["nan@0:2"] and not hasattr(args, "faults")  # weights-only loads of args
 
 
 def test_megatron_lms_ckpt_step_is_validated_as_checkpoint_version():
     args = parse("--use-higgs", "--load", "/s", "--ckpt-step", "7")
-    translate_args(args)
+    config = translate_args(args)
     assert args.checkpoint_version == 7 and args.ckpt_step == 7
+    assert config.checkpoint.checkpoint_version == 7  # what the rank map's load chooses by
 
 
 def test_dense_sync_keeps_megatron_lms_optimizer_format():

@@ -37,7 +37,7 @@ def test_bad_fault_specs_are_named(spec, message):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--higgs-step-timeout", "5"], "--higgs-step-timeout needs --use-higgs"),
+    (["--higgs-step-timeout", "5"], "--higgs-step-timeout: needs --use-higgs"),
     (["--use-higgs", "--higgs-step-timeout", "0"], "--higgs-step-timeout must be positive, got 0.0"),
     (["--inject-fault", "hang@9:1:1"], "rank 9 does not exist in a world of 2"),
     (["--auto-resume"], "--auto-resume: needs --save DIR"),

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from higgs_megatron.checkpoint.manifest import CheckpointError, Layout, Manifest, RankRecord, ShardRecord
-from higgs_megatron.checkpoint.validation import uncovered_shards
+from higgs_megatron.checkpoint.load import uncovered_shards
 from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, SparseGrad
 from higgs_megatron.reduce.sparse_allreduce import PendingSparseReduce
 from higgs_megatron.stability.alignment import StepVote, Verdict, VoteTimeout
@@ -63,8 +63,8 @@ def test_coverage_needs_every_element_tiled_and_the_same_global_shape():
 
 
 def test_vocabulary_padding_rows_are_clipped_to_what_both_shapes_hold():
-    from higgs_megatron.checkpoint.validation import vocab_differences
-    from higgs_megatron.checkpoint.vocab import divisor_keeping, padded_rows, recorded_vocab, vocab_record
+    from higgs_megatron.checkpoint.load import (divisor_keeping, padded_rows, recorded_vocab, vocab_differences,
+                                                vocab_record)
 
     assert [padded_rows(257, 128, tp) for tp in (1, 2, 4)] == [384, 512, 512]
     assert divisor_keeping(vocab_record(257, 128, 2), 1) == 256
@@ -226,6 +226,8 @@ def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclass
     from higgs_megatron.field_flags import field_flag, field_values, flag_dest
     from higgs_megatron.memory import OffloadConfig
     from higgs_megatron.memory.flags import offload_config_from_args
+    from higgs_megatron.runtime.exits import UsageError
+    from higgs_megatron.runtime.run_config import MEGATRON_LM, PRETRAIN, check_rules
     from higgs_megatron.training.arguments import build_parser
     from patches.megatron_lm.arguments import add_patch_args
 
@@ -234,7 +236,7 @@ def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclass
     megatron_like = argparse.ArgumentParser()  # Megatron-LM's parser holds --save and --load
     megatron_like.add_argument("--save")
     megatron_like.add_argument("--load")
-    for parser in (build_parser(), add_patch_args(megatron_like)):
+    for parser, front_end in ((build_parser(), PRETRAIN), (add_patch_args(megatron_like), MEGATRON_LM)):
         for config_class in (HiggsConfig, OffloadConfig, CheckpointConfig, StabilityConfig):
             flagged = [f for f in fields(config_class) if "flag" in f.metadata]
             assert flagged and all(f.metadata["flag"] in parser._option_string_actions for f in flagged)
@@ -251,10 +253,12 @@ def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclass
         args = parser.parse_args(["--save", "/s", "--recovery-mode", "reshard", "--checkpoint-interval", "30",
                                   "--async-checkpoint", "--inject-fault", "hang@0:2", "--inject-fault", "nan@1:3"])
         assert checkpoint_config_from_args(args) == CheckpointConfig(recovery_mode="reshard", checkpoint_interval=30.0,
-                                                                     async_checkpoint=True)
+                                                                     async_checkpoint=True, save="/s")
         assert args.inject_fault == ["hang@0:2", "nan@1:3"]
         for argv, flag in ((["--save", "/s", "--checkpoint-interval", "inf"], "--checkpoint-interval inf: expected"),
-                           (["--load", "/s", "--checkpoint-version", "0"], "--checkpoint-version 0: expected"),
-                           (["--auto-resume"], "--auto-resume: needs --save DIR")):
+                           (["--load", "/s", "--checkpoint-version", "0"], "--checkpoint-version 0: expected")):
             with pytest.raises(ValueError, match=flag):
                 checkpoint_config_from_args(parser.parse_args(argv))
+        with pytest.raises(UsageError) as info:  # what a flag needs of another: one table, both front-ends
+            check_rules(parser.parse_args(["--use-higgs", "--auto-resume"]), front_end)
+        assert info.value.message == "--auto-resume: needs --save DIR"

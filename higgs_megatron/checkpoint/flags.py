@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..field_flags import add_field_flags, field_flag, field_values
 from ..field_flags import flag_metadata as _flag
-from .validation import RECOVERY_MODES
+from .load import RECOVERY_MODES
 
 
 class CheckpointConfigError(ValueError):
@@ -50,6 +50,17 @@ class CheckpointConfig:
         "to --save): what a job restarted by torchrun --max-restarts needs", action="store_true"))
     """Load from ``--save`` when ``--load`` is not given."""
 
+    # The front-end's own flags (Megatron-LM's names), read with ours.
+    save: str | None = None
+    """``--save``: where checkpoints go; None saves nothing."""
+    load: str | None = None
+    """Where the run loads from: ``--load``, or with ``auto_resume`` and no ``--load`` the run's
+    own ``save`` (``load_directory``)."""
+    save_interval: int | None = None
+    """``--save-interval``: a save every N iterations."""
+    keep_last: int | None = None
+    """``--keep-last`` (our pretrain script): only the newest N checkpoints are kept."""
+
     def __post_init__(self) -> None:
         if self.recovery_mode not in RECOVERY_MODES:
             self._error("recovery_mode", f"{self.recovery_mode!r}: expected one of {', '.join(RECOVERY_MODES)}")
@@ -72,14 +83,11 @@ def add_rank_map_args(group: argparse._ActionsContainer) -> None:
 
 def checkpoint_config_from_args(args: argparse.Namespace) -> CheckpointConfig:
     """Build the config from ``args`` (``--save``/``--load`` included); raises ValueError naming
-    the flag, and changes nothing on ``args``."""
-    config = CheckpointConfig(**field_values(args, CheckpointConfig))
-    for name in ("checkpoint_interval", "async_checkpoint", "auto_resume"):
-        if getattr(config, name) not in (None, False) and not args.save:
-            raise CheckpointConfigError(f"{field_flag(CheckpointConfig, name)}: needs --save DIR")
-    if config.checkpoint_version is not None and not args.load:
-        raise CheckpointConfigError("--checkpoint-version: needs --load DIR (the checkpoints to choose from)")
-    return config
+    the flag, and changes nothing on ``args``. What the flags need of others (``--save DIR``)
+    is checked by the run config's rules (``runtime.run_config``)."""
+    return CheckpointConfig(**field_values(args, CheckpointConfig), save=args.save, load=load_directory(args),
+                            save_interval=getattr(args, "save_interval", None),
+                            keep_last=getattr(args, "keep_last", None))
 
 
 def load_directory(args: argparse.Namespace) -> str | None:

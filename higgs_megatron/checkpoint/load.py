@@ -1,29 +1,222 @@
-"""Loading: pick a committed checkpoint, validate its rank map, then load and restore.
+"""Loading: pick a committed checkpoint, check it against this run, then load and restore.
 
 Order (every rank, collectively): read ``latest`` (or ``--checkpoint-version N``) -> read the
 rank map -> layout check (``same-sharding``: any difference stops the load, each named;
 ``reshard``: every shard this rank needs must be covered by saved shards) -> SHA-256 of
 every file, shared out across ranks -> only then ``dist_checkpointing.load``. Every failure
 is agreed on by all ranks (an all-gather of the problems) and raised as ``CheckpointError``
-before any model or optimizer state has been touched.
+before any model or optimizer state has been touched. Both front-ends run the same steps
+(``validated_checkpoint``, ``restoring``); Megatron-LM's loader then reads the files itself.
+
+Every rule a checkpoint must pass is here:
+
+* ``layout_differences``: what differs between the saved layout and the current one, each
+  named ("tensor-model-parallel size: checkpoint 2, now 1"); ``check_layout``: under
+  ``same-sharding`` any difference refuses the checkpoint, under ``reshard`` none does.
+* ``vocab_differences``: the padded vocabulary's rows, saved and now, with the
+  ``--make-vocab-size-divisible-by`` that would keep the saved size; a different true vocabulary
+  refuses the checkpoint in any mode.
+* ``uncovered_shards``: for ``reshard``, the shards this rank needs that the saved shards do
+  not tile completely (same key and global shape, intersection volume = needed volume). The
+  vocabulary's tensors may differ in their padded rows: megatron-core loads the rows both
+  shapes hold and zeroes the rest (``allow_shape_mismatch``), so only those rows must be covered.
+* the files' hashes against the rank map (``manifest.verify_files``).
+
+**The vocabulary padding.** Megatron pads the vocabulary to a multiple of
+``--make-vocab-size-divisible-by`` x TP, so the word embedding, an untied output layer, and
+their optimizer state change their global row count when TP changes (384 rows at TP=1 and 512
+at TP=2 for a 257-token vocabulary with the default divisor 128). The rows past the true size
+are padding: no token id reaches them, so a reshard may trim them, or extend them with zeros,
+and leave every real row bitwise equal. The rank map records the true size
+(``Manifest.vocab``, ``vocab_record``); for an older checkpoint it comes from the flags.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
 
-from .save import LATEST, checkpoint_name, committed_checkpoints, current_layout
-from .manifest import MANIFEST_NAME, CheckpointError, Manifest
-from .state import (TrainingState, prepare_fresh_optimizer_for_load, restore_rng_state, shard_records,
-                    sharded_training_state, tolerate_torch_adam_step, untie_adam_steps)
-from .validation import RECOVERY_MODES, check_layout, uncovered_shards, verify_files  # noqa: F401 - RECOVERY_MODES
-from .vocab import recorded_vocab
+from ..ddp import HiggsDDP
+from .manifest import (CHECKPOINT_NAME, LATEST, MANIFEST_NAME, CheckpointError, Layout, Manifest, ShardRecord,
+                       committed_checkpoints, current_layout, verify_files)
+from .state import (TrainingState, owner_written_optimizer_state, prepare_fresh_optimizer_for_load,
+                    restore_rng_state, shard_records, sharded_training_state, tolerate_torch_adam_step,
+                    untie_adam_steps)
 
+RECOVERY_MODES = ("same-sharding", "reshard")
+VOCAB_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
+
+
+# --- the vocabulary padding ---------------------------------------------------------------
+
+def padded_rows(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Megatron-LM's rule: the vocabulary padded to a multiple of divisible-by x TP."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def vocab_record(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> dict:
+    """What the rank map records (``Manifest.vocab``)."""
+    return {"vocab_size": vocab_size, "make_vocab_size_divisible_by": divisible_by,
+            "padded_vocab_size": padded_rows(vocab_size, divisible_by, tensor_model_parallel_size)}
+
+
+def recorded_vocab(manifest: Manifest, now: dict | None) -> dict | None:
+    """The rank map's vocabulary record; for a rank map from before it was recorded, one made
+    from the flags (``now``: the true size, which the tokenizer fixes) and the saved word
+    embedding's rows (the divisor then unknown)."""
+    if manifest.vocab or now is None:
+        return manifest.vocab
+    rows = {s.global_shape[0] for r in manifest.ranks for s in r.shards if is_vocab_key(s.key)}
+    if len(rows) != 1:
+        return None
+    return {"vocab_size": now["vocab_size"], "make_vocab_size_divisible_by": None, "padded_vocab_size": rows.pop()}
+
+
+def is_vocab_key(key: str) -> bool:
+    """The word embedding, the output layer, and their optimizer state (same suffix)."""
+    return key.endswith(VOCAB_SUFFIXES)
+
+
+def divisor_keeping(saved: dict, tensor_model_parallel_size: int) -> int | None:
+    """The smallest ``--make-vocab-size-divisible-by`` (not below the saved one, when recorded)
+    that keeps the saved record's padded rows at this TP; None when none does."""
+    rows = saved["padded_vocab_size"]
+    for divisor in range(saved["make_vocab_size_divisible_by"] or 1, rows // tensor_model_parallel_size + 1):
+        if padded_rows(saved["vocab_size"], divisor, tensor_model_parallel_size) == rows:
+            return divisor
+    return None
+
+
+@dataclass(frozen=True)
+class PaddingChange:
+    key: str
+    saved_rows: int
+    target_rows: int
+    vocab_size: int
+
+    def describe(self) -> str:
+        how = "padding trimmed" if self.target_rows < self.saved_rows else "padding extended with zeros"
+        return (f"{self.key}: {self.saved_rows} rows in the checkpoint, {self.target_rows} at the target "
+                f"(the first {self.vocab_size} are the vocabulary; {how})")
+
+
+def padding_changes(manifest: Manifest, saved: dict, now: dict) -> list[PaddingChange]:
+    """The saved tensors whose padded rows differ between two vocabulary records."""
+    rows, target = saved["padded_vocab_size"], now["padded_vocab_size"]
+    if target == rows:
+        return []
+    keys = sorted({s.key for r in manifest.ranks for s in r.shards if is_vocab_key(s.key) and s.global_shape[0] == rows})
+    return [PaddingChange(key, rows, target, saved["vocab_size"]) for key in keys]
+
+
+# --- the rules ---------------------------------------------------------------------------
+
+_LAYOUT_NAMES = {
+    "world_size": "world size",
+    "tensor_model_parallel_size": "tensor-model-parallel size",
+    "pipeline_model_parallel_size": "pipeline-model-parallel size",
+    "data_parallel_size": "data-parallel size",
+    "context_parallel_size": "context-parallel size",
+    "expert_model_parallel_size": "expert-model-parallel size",
+    "use_distributed_optimizer": "distributed optimizer",
+}
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def layout_differences(saved: Layout, now: Layout) -> list[str]:
+    return [f"{label}: checkpoint {_show(getattr(saved, name))}, now {_show(getattr(now, name))}"
+            for name, label in _LAYOUT_NAMES.items() if getattr(saved, name) != getattr(now, name)]
+
+
+def vocab_differences(saved: dict | None, now: dict | None, tensor_model_parallel_size: int) -> list[str]:
+    """The padded vocabulary, saved (``recorded_vocab``) against now (``vocab_record``),
+    naming the divisor that would keep the saved rows; raises when the true sizes differ (another
+    tokenizer: no layout can load it)."""
+    if saved is None or now is None:
+        return []
+    if saved["vocab_size"] != now["vocab_size"] or saved["padded_vocab_size"] < now["vocab_size"]:
+        raise CheckpointError(f"vocabulary: checkpoint {saved['vocab_size']} tokens in {saved['padded_vocab_size']} "
+                              f"rows, now {now['vocab_size']} tokens (another tokenizer); no --recovery-mode loads it")
+    if saved["padded_vocab_size"] == now["padded_vocab_size"]:
+        return []
+    keeping = divisor_keeping(saved, tensor_model_parallel_size)
+    hint = (f"--make-vocab-size-divisible-by {keeping} would keep {saved['padded_vocab_size']}" if keeping else
+            f"no --make-vocab-size-divisible-by keeps {saved['padded_vocab_size']} at this tensor-parallel size")
+    return [f"padded vocabulary: checkpoint {saved['padded_vocab_size']} rows, now {now['padded_vocab_size']} "
+            f"(--make-vocab-size-divisible-by {now['make_vocab_size_divisible_by']}; {hint})"]
+
+
+def check_layout(path: Path, saved: Layout, now: Layout, recovery_mode: str,
+                 saved_vocab: dict | None = None, now_vocab: dict | None = None) -> list[str]:
+    """The differences between ``saved`` and ``now`` (layout, then padded vocabulary); raises
+    ``CheckpointError`` naming each when ``recovery_mode`` is ``same-sharding`` and there are any."""
+    if recovery_mode not in RECOVERY_MODES:
+        raise CheckpointError(f"--recovery-mode {recovery_mode!r}: expected one of {', '.join(RECOVERY_MODES)}")
+    differences = layout_differences(saved, now) + vocab_differences(saved_vocab, now_vocab,
+                                                                      now.tensor_model_parallel_size)
+    if differences and recovery_mode == "same-sharding":
+        raise CheckpointError(f"{path} was saved with another layout; --recovery-mode same-sharding refuses to load "
+                              "it (use --recovery-mode reshard to move to this layout):\n  " + "\n  ".join(differences))
+    return differences
+
+
+def _intersection_volume(a: ShardRecord, b: ShardRecord) -> int:
+    volume = 1
+    for a0, an, b0, bn in zip(a.global_offset, a.local_shape, b.global_offset, b.local_shape):
+        overlap = min(a0 + an, b0 + bn) - max(a0, b0)
+        if overlap <= 0:
+            return 0
+        volume *= overlap
+    return volume
+
+
+def _clipped(need: ShardRecord, rows: int) -> ShardRecord:
+    """The part of ``need`` within the first ``rows`` rows (empty past them)."""
+    start = min(need.global_offset[0], rows)
+    end = min(need.global_offset[0] + need.local_shape[0], rows)
+    return ShardRecord(need.key, need.global_shape, [start, *need.global_offset[1:]],
+                       [end - start, *need.local_shape[1:]])
+
+
+def uncovered_shards(manifest: Manifest, needed: list[ShardRecord]) -> list[str]:
+    """Describe each needed shard that the saved shards do not cover; empty when all are."""
+    saved: dict[str, list[ShardRecord]] = {}
+    for rank in manifest.ranks:
+        for shard in rank.shards:
+            saved.setdefault(shard.key, []).append(shard)
+    problems = []
+    for need in needed:
+        pieces = saved.get(need.key)
+        if not pieces:
+            problems.append(f"{need.key}: not in the checkpoint")
+            continue
+        saved_shape = pieces[0].global_shape
+        if saved_shape != need.global_shape:
+            if not (is_vocab_key(need.key) and saved_shape[1:] == need.global_shape[1:]):
+                problems.append(f"{need.key}: global shape {saved_shape} in the checkpoint, {need.global_shape} now")
+                continue
+            need = _clipped(need, saved_shape[0])  # padding rows: loaded where saved, zeros past them
+        covered = sum(_intersection_volume(need, piece) for piece in pieces)
+        if covered != math.prod(need.local_shape):
+            problems.append(f"{need.key}: offset {need.global_offset} shape {need.local_shape} is only "
+                            f"{covered}/{math.prod(need.local_shape)} covered by saved shards")
+    return problems
+
+
+# --- choosing and loading -------------------------------------------------------------
 
 @dataclass
 class LoadResult:
@@ -31,6 +224,7 @@ class LoadResult:
     manifest: Manifest
     resharded: bool
     warning: str | None = None
+    differences: list[str] = field(default_factory=list)  # the layout's, when resharded
 
 
 def choose_checkpoint(load_dir: str | Path, version: int | None = None,
@@ -51,18 +245,18 @@ def choose_checkpoint(load_dir: str | Path, version: int | None = None,
     committed = committed_checkpoints(load_dir)
     if version is not None:
         if version not in committed:
-            raise CheckpointError(f"--checkpoint-version {version}: {load_dir / checkpoint_name(version)} is not a "
+            raise CheckpointError(f"--checkpoint-version {version}: {load_dir / CHECKPOINT_NAME.format(version)} is not a "
                                   f"committed checkpoint (committed: {', '.join(map(str, committed)) or 'none'})")
-        return load_dir / checkpoint_name(version), None
+        return load_dir / CHECKPOINT_NAME.format(version), None
     pointer_file = load_dir / pointer
     named = None
     if pointer_file.exists():
         text = pointer_file.read_text().strip()
         named = int(text) if text.isdigit() else None
     if named is not None and named in committed:
-        return load_dir / checkpoint_name(named), None
+        return load_dir / CHECKPOINT_NAME.format(named), None
     if not committed and named is not None:
-        raise CheckpointError(f"{pointer_file} names iteration {named}, but {load_dir / checkpoint_name(named)} is "
+        raise CheckpointError(f"{pointer_file} names iteration {named}, but {load_dir / CHECKPOINT_NAME.format(named)} is "
                               "not a committed checkpoint, and none is")
     if not committed:
         uncommitted = [p.name for p in load_dir.glob("iter_*")
@@ -72,7 +266,7 @@ def choose_checkpoint(load_dir: str | Path, version: int | None = None,
                                   "--use-higgs, or interrupted before its commit); load it without --use-higgs, "
                                   "or start from an empty --load directory")
         return None, None
-    chosen = load_dir / checkpoint_name(committed[-1])
+    chosen = load_dir / CHECKPOINT_NAME.format(committed[-1])
     said = f"names iteration {named}, which has no rank map (not committed)" if named is not None else (
         "is missing or unreadable")
     return chosen, f"{pointer_file} {said}; loading the newest committed checkpoint, {chosen}"
@@ -87,36 +281,58 @@ def agree(local_problems: list[str], what: str) -> None:
         raise CheckpointError(f"{what}:\n  " + "\n  ".join(problems))
 
 
-def load_checkpoint(training: TrainingState, load_dir: str | Path, recovery_mode: str = "same-sharding",
-                    version: int | None = None) -> LoadResult | None:
-    """Restore ``training`` from the chosen checkpoint; None when ``load_dir`` holds none. The
-    warning of ``choose_checkpoint``, if any, is ``LoadResult.warning``."""
-    path, warning = choose_checkpoint(load_dir, version)
+def validated_checkpoint(load_dir: str | Path, version: int | None, recovery_mode: str, layout: Layout,
+                         vocab: dict | None, pointer: str = LATEST) -> LoadResult | None:
+    """Both front-ends' first steps of a load, collective: choose the checkpoint
+    (``choose_checkpoint``), read its rank map, check its layout against ``layout``
+    (``same-sharding`` refuses any difference; the differences make ``resharded``) and its
+    files' hashes, shared out over the ranks. None when ``load_dir`` holds no checkpoint."""
+    path, warning = choose_checkpoint(load_dir, version, pointer)
     if path is None:
         return None
     manifest = Manifest.read(path)
-    differences = check_layout(path, manifest.layout, current_layout(training.use_distributed_optimizer),
-                               recovery_mode, recorded_vocab(manifest, training.vocab), training.vocab)
-    resharded = bool(differences)
-    prepare_fresh_optimizer_for_load(training.optimizer)
-    state = sharded_training_state(training, is_loading=True, per_rank=not resharded)
-    agree(uncovered_shards(manifest, shard_records(state, main_replica_only=False)) if resharded else [],
-          f"{path} cannot be resharded to this layout")
+    differences = check_layout(path, manifest.layout, layout, recovery_mode, recorded_vocab(manifest, vocab), vocab)
     agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()), f"{path} failed its integrity check")
+    return LoadResult(path=path, manifest=manifest, resharded=bool(differences), warning=warning,
+                      differences=differences)
 
-    loaded = dist_checkpointing.load(state, str(path))
-    training.model[0].module.load_state_dict(loaded["model"])
-    optimizer_state = loaded["optimizer"]
-    residuals = optimizer_state.pop("higgs_residuals", None)
-    inner = getattr(training.optimizer, "inner", training.optimizer)
-    with tolerate_torch_adam_step():
-        inner.load_state_dict(optimizer_state)
-    untie_adam_steps(training.optimizer)
-    if residuals is not None:
-        training.optimizer.load_higgs_residuals(residuals)
+
+@contextlib.contextmanager
+def restoring(optimizer) -> Iterator[None]:
+    """Around the load of an optimizer's state, both front-ends: megatron-core 0.16.1's
+    distributed optimizer on torch Adam (no TE/Apex) cannot load into a fresh optimizer, nor
+    fill ``fully_reshardable`` state, without these (``checkpoint.state``)."""
+    if optimizer is not None:
+        prepare_fresh_optimizer_for_load(optimizer)
+    with owner_written_optimizer_state(), tolerate_torch_adam_step():
+        yield
+    if optimizer is not None:
+        untie_adam_steps(optimizer)
+
+
+def load_checkpoint(training: TrainingState, load_dir: str | Path, recovery_mode: str = "same-sharding",
+                    version: int | None = None) -> LoadResult | None:
+    """Restore ``training`` from the chosen checkpoint; None when ``load_dir`` holds none. The
+    warning of ``choose_checkpoint``, if any, is ``LoadResult.warning``. Per-rank state (RNG,
+    error-feedback residuals) is restored only with the same layout."""
+    chosen = validated_checkpoint(load_dir, version, recovery_mode,
+                                  current_layout(training.use_distributed_optimizer), training.vocab)
+    if chosen is None:
+        return None
+    with restoring(training.optimizer):
+        state = sharded_training_state(training, is_loading=True, per_rank=not chosen.resharded)
+        agree(uncovered_shards(chosen.manifest, shard_records(state, main_replica_only=False))
+              if chosen.resharded else [], f"{chosen.path} cannot be resharded to this layout")
+        loaded = dist_checkpointing.load(state, str(chosen.path))
+        training.model[0].module.load_state_dict(loaded["model"])
+        optimizer_state = loaded["optimizer"]
+        residuals = optimizer_state.pop("higgs_residuals", None)
+        getattr(training.optimizer, "inner", training.optimizer).load_state_dict(optimizer_state)
+    if not chosen.resharded:
+        restore_rng_state(loaded["rng"])
     training.scheduler.load_state_dict(loaded["scheduler"])
+    for chunk, saved in zip((c for c in training.model if isinstance(c, HiggsDDP)), residuals or ()):
+        chunk.load_residual_state(saved)
     training.iteration = loaded["iteration"]
     training.consumed_samples = loaded["consumed_samples"]
-    if not resharded:
-        restore_rng_state(loaded["rng"])
-    return LoadResult(path=path, manifest=manifest, resharded=resharded, warning=warning)
+    return chosen

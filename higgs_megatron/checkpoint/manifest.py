@@ -14,9 +14,15 @@ Schema (version 1)::
      "vocab": {"vocab_size": 257, "make_vocab_size_divisible_by": 128, "padded_vocab_size": 384} | null}
 
 ``vocab`` (absent from older rank maps, read as null) is the true vocabulary size behind the
-padded embedding rows (``vocab.py``). Files are named relative to the checkpoint directory. ``shards`` lists the tensor shards a
+padded embedding rows (``load.vocab_record``). Files are named relative to the checkpoint directory. ``shards`` lists the tensor shards a
 rank saved as the main replica (replicas are not written twice), so over all ranks they
 tile every saved tensor exactly once.
+
+Also here, what a rank map is read against: the names of checkpoint directories and which
+are committed (``committed_checkpoints``: those holding a rank map), the running job's
+layout and this rank's place in it (``current_layout``, ``current_coords``, read from
+megatron-core's ``parallel_state`` at the moment of the save or load), and the files'
+hashes (``sha256_of``, ``verify_files``).
 """
 
 from __future__ import annotations
@@ -27,8 +33,14 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
+from megatron.core import parallel_state
+
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "rank_map.json"
+LATEST = "latest"
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's pointer
+CHECKPOINT_NAME = "iter_{:07d}"  # an iteration's directory, Megatron-LM's name for it
 
 
 class CheckpointError(RuntimeError):
@@ -130,3 +142,52 @@ def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def verify_files(checkpoint_dir: Path, manifest: Manifest, rank: int, world_size: int) -> list[str]:
+    """Check this rank's share of all files against the rank map (file i is checked by rank i
+    mod world); a missing file or a mismatch is named with the rank that wrote it."""
+    records: list[tuple[FileRecord, int]] = [(f, r.rank) for r in manifest.ranks for f in r.files]
+    problems = []
+    for index, (record, writer) in enumerate(sorted(records, key=lambda x: x[0].path)):
+        if index % world_size != rank:
+            continue
+        path = checkpoint_dir / record.path
+        if not path.exists():
+            problems.append(f"{path}: missing (written by rank {writer})")
+        elif sha256_of(path) != record.sha256:
+            problems.append(f"{path}: SHA-256 does not match the rank map (written by rank {writer})")
+    return problems
+
+
+def committed_checkpoints(save_dir: Path) -> list[int]:
+    """Iterations of the committed checkpoints under ``save_dir`` (those with a rank map), oldest first."""
+    found = []
+    for path in Path(save_dir).glob("iter_*"):
+        if path.suffix == ".tmp" or not (path / MANIFEST_NAME).exists():
+            continue
+        try:
+            found.append(int(path.name[len("iter_"):]))
+        except ValueError:
+            continue
+    return sorted(found)
+
+
+def current_layout(use_distributed_optimizer: bool) -> Layout:
+    return Layout(
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+
+
+def current_coords() -> dict[str, int]:
+    return {"tp": parallel_state.get_tensor_model_parallel_rank(),
+            "pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp": parallel_state.get_data_parallel_rank(),
+            "cp": parallel_state.get_context_parallel_rank(),
+            "ep": parallel_state.get_expert_model_parallel_rank()}

@@ -18,9 +18,9 @@ and then call ``commit``. All ranks take part, at the same iteration:
    removes the oldest committed checkpoints beyond ``keep_last``. A checkpoint written in
    place (Megatron-LM's own save, which moves its own tracker) is committed by its rank map.
 
-The running job's layout and this rank's place in it (``current_layout``, ``current_coords``)
-are read from megatron-core's ``parallel_state`` at the moment of the save or load, as the
-rank map records them.
+The running job's layout and this rank's place in it (``manifest.current_layout``,
+``manifest.current_coords``) are read from megatron-core's ``parallel_state`` at the moment
+of the save, as the rank map records them.
 
 A crash at any point before the commit leaves ``latest`` naming the previous checkpoint; a
 directory without its rank map, or still named ``.tmp``, is never loaded, and the next save
@@ -46,41 +46,15 @@ import torch.distributed as dist
 # torch's checkpoint failure is a BaseException: name it, or it escapes the commit protocol.
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from .. import __version__
-from .manifest import (MANIFEST_NAME, CheckpointError, FileRecord, Layout, Manifest, RankRecord, ShardRecord,
-                       sha256_of)
-from .state import TrainingState, shard_records, sharded_training_state
+from .manifest import (CHECKPOINT_NAME, LATEST, CheckpointError, FileRecord, Manifest, RankRecord, ShardRecord,
+                       committed_checkpoints, current_coords, current_layout, sha256_of)
+from .state import TrainingState, saved_state
 
-LATEST = "latest"
-MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's pointer
 COMMON_FILES = (".metadata", "common.pt", "metadata.json")
-
-
-def current_layout(use_distributed_optimizer: bool) -> Layout:
-    return Layout(
-        world_size=dist.get_world_size(),
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        data_parallel_size=parallel_state.get_data_parallel_world_size(),
-        context_parallel_size=parallel_state.get_context_parallel_world_size(),
-        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        use_distributed_optimizer=use_distributed_optimizer,
-    )
-
-
-def current_coords() -> dict[str, int]:
-    return {"tp": parallel_state.get_tensor_model_parallel_rank(),
-            "pp": parallel_state.get_pipeline_model_parallel_rank(),
-            "dp": parallel_state.get_data_parallel_rank(),
-            "cp": parallel_state.get_context_parallel_rank(),
-            "ep": parallel_state.get_expert_model_parallel_rank()}
-
-
-def checkpoint_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
 
 
 def shard_files(rank: int, directory: Path) -> list[Path]:
@@ -95,19 +69,6 @@ def common_files(rank: int, directory: Path) -> list[Path]:
 
 def hash_files(paths: list[Path]) -> list[FileRecord]:
     return [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size) for p in paths]
-
-
-def committed_checkpoints(save_dir: Path) -> list[int]:
-    """Iterations of the committed checkpoints under ``save_dir``, oldest first."""
-    found = []
-    for path in Path(save_dir).glob("iter_*"):
-        if path.suffix == ".tmp" or not (path / MANIFEST_NAME).exists():
-            continue
-        try:
-            found.append(int(path.name[len("iter_"):]))
-        except ValueError:
-            continue
-    return sorted(found)
 
 
 def megatron_core_version() -> str:
@@ -131,7 +92,7 @@ class PendingCheckpoint:
 
     iteration: int
     consumed_samples: int
-    layout: Layout
+    use_distributed_optimizer: bool  # the layout is read at the commit (``manifest.current_layout``)
     higgs: dict | None
     save_dir: Path
     keep_last: int | None = None
@@ -143,12 +104,12 @@ class PendingCheckpoint:
 
     @property
     def final(self) -> Path:
-        return self.save_dir / checkpoint_name(self.iteration)
+        return self.save_dir / CHECKPOINT_NAME.format(self.iteration)
 
     @property
     def directory(self) -> Path:
         """Where the files are written."""
-        return self.final if self.in_place else self.save_dir / f"{checkpoint_name(self.iteration)}.tmp"
+        return self.final if self.in_place else self.save_dir / f"{CHECKPOINT_NAME.format(self.iteration)}.tmp"
 
 
 def begin(pending: PendingCheckpoint) -> PendingCheckpoint:
@@ -177,7 +138,8 @@ def commit(pending: PendingCheckpoint, shards: list[ShardRecord], files: list[Fi
         raise CheckpointError(f"checkpoint {pending.directory} not committed: " + "; ".join(errors))
     if rank == 0:
         Manifest(
-            iteration=pending.iteration, consumed_samples=pending.consumed_samples, layout=pending.layout,
+            iteration=pending.iteration, consumed_samples=pending.consumed_samples,
+            layout=current_layout(pending.use_distributed_optimizer),
             ranks=[r for r, _ in gathered], higgs=pending.higgs,
             versions={"higgs_megatron": __version__, "megatron_core": megatron_core_version(), "torch": torch.__version__},
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"), vocab=pending.vocab,
@@ -190,7 +152,7 @@ def commit(pending: PendingCheckpoint, shards: list[ShardRecord], files: list[Fi
             _fsync_dir(pending.save_dir)
             if pending.keep_last:
                 for old in committed_checkpoints(pending.save_dir)[:-pending.keep_last]:
-                    shutil.rmtree(pending.save_dir / checkpoint_name(old), ignore_errors=True)
+                    shutil.rmtree(pending.save_dir / CHECKPOINT_NAME.format(old), ignore_errors=True)
     dist.barrier()
     return SaveResult(path=pending.final, iteration=pending.iteration, bytes=sum(f.bytes for r, _ in gathered
                                                                                  for f in r.files),
@@ -217,7 +179,7 @@ def _fsync_dir(path: Path) -> None:
 def pending_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: int | None) -> PendingCheckpoint:
     """The rank map's view of ``training`` now, for a save into ``save_dir``."""
     return PendingCheckpoint(iteration=training.iteration, consumed_samples=training.consumed_samples,
-                             layout=current_layout(training.use_distributed_optimizer), higgs=training.higgs,
+                             use_distributed_optimizer=training.use_distributed_optimizer, higgs=training.higgs,
                              save_dir=Path(save_dir), keep_last=keep_last, vocab=training.vocab)
 
 
@@ -280,8 +242,7 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: in
     """Save ``training`` as a committed checkpoint, synchronously (see the module docstring)."""
     pending = begin(pending_checkpoint(training, save_dir, keep_last))
     rank = dist.get_rank()
-    state = sharded_training_state(training)
-    shards = shard_records(state)
+    state, shards = saved_state(training)
     error, files = None, []
     try:
         with crc32_skipped(), thread_results_queue():

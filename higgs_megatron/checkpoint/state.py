@@ -6,10 +6,11 @@ or an argparse namespace. ``sharded_training_state`` builds from it the dict
 ``dist_checkpointing`` saves and loads:
 
 * ``model``: the model chunk's ``sharded_state_dict()`` (global shapes and offsets per tensor);
-* ``optimizer``: the optimizer's, with the distributed optimizer's state in Megatron's
+* ``optimizer``: Megatron's optimizer's, with the distributed optimizer's state in Megatron's
   ``fully_reshardable`` form (it can move to another TP/PP/DP layout; ``dp_reshardable``
   cannot), written by the DP ranks that hold it (``owner_written_optimizer_state``, below), plus, under
-  HiggsOptimizer, each rank's error-feedback residuals;
+  ``--use-higgs``, each rank's error-feedback residuals, read from the HiggsDDP chunks
+  (``residual_objects``: the keys ``HiggsOptimizer.sharded_state_dict`` gives them under Megatron-LM);
 * ``rng``: each rank's RNG states (torch and Megatron's tracker), a per-rank object;
 * plain values (iteration, consumed samples, LR schedule): the common part, rank 0 writes it.
 
@@ -35,10 +36,17 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from ..optimizer import torch_optimizers
+from ..ddp import HiggsDDP
 from .manifest import ShardRecord
 
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def torch_optimizers(optimizer) -> list:
+    """(Megatron optimizer, torch optimizer) pairs of a possibly wrapped (``HiggsOptimizer``),
+    possibly chained optimizer: where the state a checkpoint and the memory manager read lives."""
+    inner = getattr(optimizer, "inner", optimizer)
+    return [(m, m.optimizer) for m in getattr(inner, "chained_optimizers", [inner])]
 
 
 def rng_state() -> dict:
@@ -132,6 +140,15 @@ def spread_model_writes(model_sd: dict, dp_rank: int, dp_size: int) -> None:
         tensor.replica_id = (*tensor.replica_id[:-1], (dp_rank - writer) % dp_size)
 
 
+def residual_objects(model: list, loading: bool = False) -> list[ShardedObject]:
+    """Each HiggsDDP chunk's error-feedback residuals, as this rank's object; ``loading``: the
+    slots a load fills (no read of the residuals)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [ShardedObject(f"higgs.residuals.chunk{index}", {} if loading else chunk.residual_state(), (world,),
+                          (rank,), replica_id=0)
+            for index, chunk in enumerate(c for c in model if isinstance(c, HiggsDDP))]
+
+
 def sharded_training_state(training: TrainingState, is_loading: bool = False, per_rank: bool = True) -> dict:
     """The sharded state dict of ``training``; ``per_rank=False`` leaves out rng and residuals."""
     chunk = training.model[0].module
@@ -139,10 +156,9 @@ def sharded_training_state(training: TrainingState, is_loading: bool = False, pe
     if not is_loading:
         spread_model_writes(model_sd, parallel_state.get_data_parallel_rank(with_context_parallel=True),
                             parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    inner = getattr(training.optimizer, "inner", training.optimizer)  # Megatron's, without HiggsOptimizer
     with owner_written_optimizer_state():
-        optimizer_sd = training.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
-    if not per_rank:
-        optimizer_sd.pop("higgs_residuals", None)
+        optimizer_sd = inner.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)
     state = {
         "model": model_sd,
         "optimizer": optimizer_sd,
@@ -153,7 +169,17 @@ def sharded_training_state(training: TrainingState, is_loading: bool = False, pe
     if per_rank:
         rank, world = dist.get_rank(), dist.get_world_size()
         state["rng"] = ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)
+        residuals = residual_objects(training.model, loading=is_loading)
+        if residuals:
+            optimizer_sd["higgs_residuals"] = residuals
     return state
+
+
+def saved_state(training: TrainingState) -> tuple[dict, list[ShardRecord]]:
+    """What a save of ``training`` hands ``dist_checkpointing.save``, and the tensor shards this
+    rank writes of it (the rank map's record)."""
+    state = sharded_training_state(training)
+    return state, shard_records(state)
 
 
 def is_main_replica(replica_id) -> bool:

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from .manifest import MANIFEST_NAME, CheckpointError, Layout, Manifest, ShardRecord
 from .load import choose_checkpoint
-from .save import LATEST, MEGATRON_LM_TRACKER, checkpoint_name, committed_checkpoints
-from .validation import layout_differences, uncovered_shards, verify_files, vocab_differences
-from .vocab import padding_changes, recorded_vocab, vocab_record
+from .load import layout_differences, padding_changes, recorded_vocab, uncovered_shards, vocab_differences, vocab_record
+from .manifest import CHECKPOINT_NAME, LATEST, MEGATRON_LM_TRACKER, committed_checkpoints, verify_files
 
 
 def _pointers(save_dir: Path) -> dict[str, str]:
@@ -46,7 +45,7 @@ def checkpoint_paths(directory: str | Path, version: int | None = None,
     if every and version is None:
         committed = committed_checkpoints(directory)
         if committed:
-            return [directory / checkpoint_name(i) for i in committed]
+            return [directory / CHECKPOINT_NAME.format(i) for i in committed]
     pointer = LATEST if (directory / LATEST).is_file() or not (directory / MEGATRON_LM_TRACKER).is_file() \
         else MEGATRON_LM_TRACKER
     path, _ = choose_checkpoint(directory, version, pointer=pointer)

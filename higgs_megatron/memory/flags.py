@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,16 @@ from .manager import OffloadConfig, OffloadError
 from .probe import ScriptedProbe
 
 BLOCK_ALLOCATORS = ("off", "expandable")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """What the memory flags ask for: the manager's config (None without ``--higgs-offload``),
+    a replayed memory schedule instead of measuring, and CUDA's block allocator."""
+
+    offload: OffloadConfig | None = None
+    schedule: str | None = None
+    block_allocator: str = "off"
 
 
 def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -34,14 +45,16 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def offload_flags_given(args: argparse.Namespace) -> list[str]:
+    """The memory manager's flags given (``--higgs-block-allocator``, which configures CUDA's
+    allocator with or without the manager, aside): only with ``--higgs-offload``."""
+    return flags_given(args, add_offload_args(argparse.ArgumentParser()),
+                       skip=("higgs_offload", "higgs_block_allocator"))
+
+
 def offload_config_from_args(args: argparse.Namespace) -> OffloadConfig | None:
     """The config, None without --higgs-offload; ``OffloadError`` naming the flag otherwise."""
     if not args.higgs_offload:
-        # --higgs-block-allocator configures CUDA's allocator with or without the manager.
-        given = flags_given(args, add_offload_args(argparse.ArgumentParser()),
-                            skip=("higgs_offload", "higgs_block_allocator"))
-        if given:
-            raise OffloadError(f"{', '.join(given)}: only with --higgs-offload")
         return None
     if args.higgs_pin_memory_limit_gb is not None and args.higgs_pin_memory_limit_gb < 0:
         raise OffloadError(f"--higgs-pin-memory-limit-gb {args.higgs_pin_memory_limit_gb}: expected 0 or more")
@@ -53,6 +66,12 @@ def offload_config_from_args(args: argparse.Namespace) -> OffloadConfig | None:
     limit = args.higgs_pin_memory_limit_gb
     return OffloadConfig(**field_values(args, OffloadConfig),
                          pin_limit_bytes=None if limit is None else int(limit * (1 << 30)))
+
+
+def memory_config_from_args(args: argparse.Namespace) -> MemoryConfig:
+    """The memory flags' config; ``OffloadError`` naming the flag."""
+    return MemoryConfig(offload=offload_config_from_args(args), schedule=args.higgs_offload_schedule,
+                        block_allocator=args.higgs_block_allocator)
 
 
 def apply_block_allocator(choice: str) -> bool:

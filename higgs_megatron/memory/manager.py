@@ -38,7 +38,7 @@ import torch
 
 from ..field_flags import field_flag, flag_metadata
 from ..launcher import process_rank
-from ..optimizer import torch_optimizers
+from ..checkpoint.state import torch_optimizers
 from .policy import Decision, decide
 from .probe import MemoryProbe
 from .tiers import Away, FileTier, HostTier

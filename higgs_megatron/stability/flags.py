@@ -1,8 +1,8 @@
 """The stability flags both front-ends add, generated from one dataclass and checked once.
 
 Our pretrain script adds them to its parser; the Megatron-LM patches add them to Megatron-LM's.
-``check_stability`` raises ``ValueError`` naming the flag; each front-end turns that into
-its own usage error.
+``stability_config_from_args`` raises ``ValueError`` naming the flag; the run config
+(``runtime.run_config``) turns it into the usage error.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from ..field_flags import add_field_flags
+from ..field_flags import add_field_flags, field_values
 from ..field_flags import flag_metadata as _flag
 from .faults import Fault, FaultSpecError, parse_fault
 
@@ -19,7 +19,8 @@ DEFAULT_RESTART_TIMEOUT = 300.0
 
 @dataclass(frozen=True)
 class StabilityConfig:
-    """The stability flags' fields (checked by ``check_stability``, which needs the launch too)."""
+    """The stability flags' fields, and the faults ``--inject-fault`` parsed into
+    (``stability_config_from_args``, which needs the launch's world size to check their ranks)."""
 
     higgs_step_timeout: float | None = field(default=None, metadata=_flag(
         "--higgs-step-timeout", "warn about ranks that make no progress for this long, and give up on a gradient "
@@ -33,6 +34,27 @@ class StabilityConfig:
     inject_fault: list[str] | None = field(default=None, metadata=_flag(
         "--inject-fault", "inject a fault (hang, slow, freeze, sigterm, crash, nan) on a rank at an iteration; "
         "repeatable", action="append", metavar="KIND@RANK:ITER[:SECONDS]"))
+    faults: tuple[Fault, ...] = ()
+    """``inject_fault`` parsed."""
+
+    def __post_init__(self) -> None:
+        for name in ("higgs_step_timeout", "higgs_restart_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.higgs_restart_timeout is not None and self.higgs_step_timeout is not None \
+                and self.higgs_restart_timeout <= self.higgs_step_timeout:
+            raise ValueError(f"--higgs-restart-timeout {self.higgs_restart_timeout:g} must be longer than "
+                             f"--higgs-step-timeout {self.higgs_step_timeout:g}")
+
+    @property
+    def restart_after(self) -> float | None:
+        """``--higgs-restart-timeout``, or its default: the longer of 300 s and two step timeouts."""
+        if self.higgs_step_timeout is None:
+            return None
+        if self.higgs_restart_timeout is not None:
+            return self.higgs_restart_timeout
+        return max(DEFAULT_RESTART_TIMEOUT, 2 * self.higgs_step_timeout)
 
 
 def add_stability_args(group: argparse._ActionsContainer) -> None:
@@ -41,31 +63,14 @@ def add_stability_args(group: argparse._ActionsContainer) -> None:
     add_field_flags(group, StabilityConfig)
 
 
-def check_stability(args: argparse.Namespace, world_size: int | None, use_higgs: bool) -> list[Fault]:
-    """The parsed ``--inject-fault`` specs (``world_size`` None: ranks unchecked); raises
-    ValueError naming the flag, and changes nothing. (The faults are not put on ``args``:
-    Megatron-LM pickles its args into checkpoints, which are read back weights-only.)"""
-    if args.higgs_step_timeout is not None and not use_higgs:
-        raise ValueError("--higgs-step-timeout needs --use-higgs (it bounds the compressed sync's waits)")
-    for flag in ("higgs_step_timeout", "higgs_restart_timeout"):
-        value = getattr(args, flag)
-        if value is not None and not value > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    if args.higgs_restart_timeout is not None and args.higgs_step_timeout is None:
-        raise ValueError("--higgs-restart-timeout needs --higgs-step-timeout")
-    if args.higgs_restart_timeout is not None and args.higgs_restart_timeout <= args.higgs_step_timeout:
-        raise ValueError(f"--higgs-restart-timeout {args.higgs_restart_timeout:g} must be longer than "
-                         f"--higgs-step-timeout {args.higgs_step_timeout:g}")
+def stability_config_from_args(args: argparse.Namespace, world_size: int | None) -> StabilityConfig:
+    """The config, its faults parsed (``world_size`` None: their ranks unchecked); raises
+    ValueError naming the flag, and changes nothing on ``args`` (Megatron-LM pickles its args
+    into checkpoints, which are read back weights-only). What the flags need of others is
+    checked by the run config's rules (``runtime.run_config``)."""
+    values = field_values(args, StabilityConfig)
     try:
-        return [parse_fault(spec, world_size) for spec in args.inject_fault or ()]
+        faults = tuple(parse_fault(spec, world_size) for spec in values["inject_fault"] or ())
     except FaultSpecError as error:
         raise ValueError(str(error)) from None
-
-
-def restart_timeout(args: argparse.Namespace) -> float | None:
-    """``--higgs-restart-timeout``, or its default: the longer of 300 s and two step timeouts."""
-    if args.higgs_step_timeout is None:
-        return None
-    if args.higgs_restart_timeout is not None:
-        return args.higgs_restart_timeout
-    return max(DEFAULT_RESTART_TIMEOUT, 2 * args.higgs_step_timeout)
+    return StabilityConfig(**values, faults=faults)

@@ -15,14 +15,14 @@ from typing import Sequence
 
 import torch
 
-from ..checkpoint.flags import add_rank_map_args, checkpoint_config_from_args, load_directory
-from ..config import add_higgs_args, compression_flags_given, higgs_config_from_args
-from ..memory import OffloadError
-from ..memory.flags import add_offload_args, offload_config_from_args
+from ..checkpoint.flags import add_rank_map_args
+from ..config import add_higgs_args
+from ..memory.flags import add_offload_args
 from ..stability.exit_conditions import add_exit_args, check_exit_args
 from ..runtime.exits import UsageError
+from ..runtime.run_config import PRETRAIN, run_config_from_args
 from ..launcher import launcher_world_size
-from ..stability.flags import add_stability_args, check_stability
+from ..stability.flags import add_stability_args
 from .length_buckets import parse_buckets
 
 class _Parser(argparse.ArgumentParser):
@@ -37,19 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--seq-length", type=int, default=128)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--num-layers", type=int, default=4, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, default=256, help="model width")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default: 4 x --hidden-size)")
+    g.add_argument("--num-attention-heads", type=int, default=4, help="attention heads; divisible by TP")
+    g.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="learned positions (default: --seq-length)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="the vocabulary is padded to a multiple of this x TP, as Megatron-LM pads it")
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout after attention and MLP")
+    g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout of the attention probabilities")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output layer instead of the input embedding's transpose")
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="auto: Transformer Engine when it is importable and CUDA is present, else local")
-    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 main weights")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="activation recomputation (Megatron's): full layers, or the attention core only")
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
@@ -57,44 +59,49 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=None, help="with full (default 1)")
 
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP; DP = world / (TP x PP)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP; divides --num-layers")
     g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="auto: nccl when CUDA is available, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, help="process groups' timeout")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="launch each bucket's gradient reduction as backward fills it (Megatron's DDP)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="optimizer state sharded over DP: reduce-scatter the gradients, all-gather the parameters")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1, metavar="N",
                    help="the distributed optimizer sharded inside each of N groups of DP ranks: reduce-scatter "
                         "inside an instance, all-reduce across instances (Megatron's hierarchical data parallelism; "
                         "with --use-higgs the cross-instance all-reduce is the compressed one)")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (Megatron's default: max(40M, 1M x DP))")
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="with --bf16: gradients accumulated and reduced in fp32")
 
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--micro-batch-size", type=int, default=4, help="samples per rank per forward-backward")
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default micro batch x data-parallel size (no accumulation)")
-    g.add_argument("--train-iters", type=int, default=100)
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=1e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=None, help="default: a tenth of --train-iters")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+                   help="samples per optimizer step; a multiple of micro batch x DP gives gradient accumulation "
+                        "(default: micro batch x data-parallel size)")
+    g.add_argument("--train-iters", type=int, default=100, help="optimizer steps")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="Megatron's optimizer")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=1e-4, help="learning rate at the end of the decay")
+    g.add_argument("--lr-warmup-iters", type=int, default=None,
+                   help="linear warm-up of the learning rate (default: a tenth of --train-iters)")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="iterations of the decay (default: --train-iters)")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"),
-                   default="cosine")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
+                   default="cosine", help="the decay's shape")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="decoupled weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's first-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam's second-moment decay")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip")
+    g.add_argument("--seed", type=int, default=1234, help="initialisation, dropout and data order")
 
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", default=None,
-                   help="a text file or a folder of text files; default: this Python's standard library sources")
-    g.add_argument("--data-cache-path", default=None, help="where the indexed corpus is cached")
+                   help="a text file or a folder of text files (default: this Python's standard library sources)")
+    g.add_argument("--data-cache-path", default=None, help="where the indexed corpus is cached (default: $HIGGS_CACHE_DIR, else ~/.cache/higgs_megatron)")
     g.add_argument("--split", default="98,2,0", help="train,validation,test weights over documents")
     g.add_argument("--higgs-length-buckets", default=None, metavar="L1,L2,...",
                    help="train on whole documents (not packed), each batch padded to the smallest of these "
@@ -102,18 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "little padding, less allocator fragmentation")
 
     g = parser.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=50)
-    g.add_argument("--eval-iters", type=int, default=5)
+    g.add_argument("--log-interval", type=int, default=10, help="iterations per log line")
+    g.add_argument("--eval-interval", type=int, default=50, help="iterations between validations")
+    g.add_argument("--eval-iters", type=int, default=5, help="validation batches; 0 skips validation")
     g.add_argument("--log-json", default=None, metavar="PATH",
                    help="append one JSON object per logged iteration and per event")
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard scalars here (the tensorboard extra)")
     g.add_argument("--wandb-project", default=None, help="also log to Weights & Biases, in this project")
     g.add_argument("--wandb-mode", choices=("offline", "online"), default="offline",
                    help="offline (default) writes the run locally, for `wandb sync` later")
     g.add_argument("--wandb-dir", default=None, help="where W&B writes its files")
     g.add_argument("--num-threads", type=int, default=None,
-                   help="torch intra-op threads per rank on CPU; default: cores / local ranks")
+                   help="torch intra-op threads per rank on CPU (default: cores / local ranks)")
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, metavar="DIR", help="save checkpoints here (and at the end of training)")
     g.add_argument("--save-interval", type=int, default=None, metavar="ITERS", help="save every N iterations")
@@ -138,68 +145,37 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check the flags against each other and the launch, group by group, and fill derived
-    fields (``world_size``, ``data_parallel_size``, ``num_microbatches``, the configs). No side
-    effects: nothing is created on disk here; directories are made when they are first used."""
+    fields (``world_size``, ``data_parallel_size``, ``num_microbatches``, and ``run_config``,
+    the typed config the runtime reads: ``runtime.run_config``). No side effects: nothing is
+    created on disk here; directories are made when they are first used."""
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
               "global_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
               "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads", "num_distributed_optimizer_instances",
               "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last", "higgs_step_timeout")
     # The compressed sync's schedule is derived from the LR schedule's: after it.
-    for check in (_check_checkpoints, _check_optimizer, _check_stability, _check_memory, _check_recompute,
-                  _check_layout, _check_model, _check_schedule, _check_higgs, _check_data, _check_runtime):
+    for check in (_check_optimizer, _check_recompute, _check_layout, _check_model, _check_schedule,
+                  _check_run_config, _check_data, _check_runtime):
         check(args, world_size)
     return args
 
 
-def _check_higgs(args: argparse.Namespace, world_size: int) -> None:
-    """The compressed sync's flags: only with --use-higgs; HiggsConfig's own ranges."""
-    if not args.use_higgs:
-        given = compression_flags_given(args)
-        if given:
-            raise UsageError(f"{', '.join(given)}: only with --use-higgs (the compressed sync's settings; "
-                             "without --use-higgs it is off)")
+def _check_run_config(args: argparse.Namespace, world_size: int) -> None:
+    """Our flags (compression, checkpoints, stability, memory): the rules of what needs what,
+    then the typed config; the exit flags; and a --load directory that must exist."""
+    args.run_config = run = run_config_from_args(args, PRETRAIN, world_size, args.train_iters, args.lr_warmup_iters)
     try:
-        args.higgs_config = (higgs_config_from_args(args, args.train_iters, args.lr_warmup_iters)
-                             if args.use_higgs else None)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-
-
-def _check_checkpoints(args: argparse.Namespace, world_size: int) -> None:
-    if args.save_interval is not None and args.save is None:
-        raise UsageError("--save-interval: needs --save DIR")
-    try:
-        checkpoint_config_from_args(args)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    given = args.load
-    args.load = load_directory(args)
-    resuming_own_saves = args.load is not None and given is None  # --auto-resume's own --save
-    if args.load is not None and not os.path.isdir(args.load) and not resuming_own_saves:
-        raise UsageError(f"--load {args.load}: no such directory")
-
-
-def _check_optimizer(args: argparse.Namespace, world_size: int) -> None:
-    if args.optimizer != "adam" and args.higgs_freeze_adam_variance:
-        raise UsageError(f"--higgs-freeze-adam-variance: freezes Adam's second moment; --optimizer is {args.optimizer}")
-    if args.optimizer != "adam" and args.use_distributed_optimizer:
-        raise UsageError(f"--optimizer {args.optimizer}: megatron-core's --use-distributed-optimizer supports adam only")
-
-
-def _check_stability(args: argparse.Namespace, world_size: int) -> None:
-    try:
-        args.faults = check_stability(args, world_size, args.use_higgs)
         check_exit_args(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    resuming_own_saves = args.auto_resume and not args.load  # --auto-resume: its --save, maybe empty yet
+    if run.checkpoint.load is not None and not os.path.isdir(run.checkpoint.load) and not resuming_own_saves:
+        raise UsageError(f"--load {run.checkpoint.load}: no such directory")
 
 
-def _check_memory(args: argparse.Namespace, world_size: int) -> None:
-    try:
-        args.offload_config = offload_config_from_args(args)
-    except OffloadError as error:
-        raise UsageError(str(error)) from None
+def _check_optimizer(args: argparse.Namespace, world_size: int) -> None:
+    if args.optimizer != "adam" and args.use_distributed_optimizer:
+        raise UsageError(f"--optimizer {args.optimizer}: megatron-core's --use-distributed-optimizer supports adam only")
 
 
 def _check_recompute(args: argparse.Namespace, world_size: int) -> None:
@@ -227,8 +203,6 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
     instances = args.num_distributed_optimizer_instances
-    if instances > 1 and not args.use_distributed_optimizer:
-        raise UsageError(f"--num-distributed-optimizer-instances {instances} needs --use-distributed-optimizer")
     if args.data_parallel_size % instances != 0:
         raise UsageError(f"--num-distributed-optimizer-instances {instances} does not divide the data-parallel "
                          f"size {args.data_parallel_size}")

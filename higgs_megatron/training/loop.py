@@ -32,27 +32,21 @@ from ..callbacks import Callback, callbacks_from_args
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
 from ..checkpoint.async_save import AsyncCheckpointer
-from ..checkpoint.interval import SaveSchedule
 from ..checkpoint.save import SaveResult, save_checkpoint
-from ..checkpoint.state import TrainingState
-from ..checkpoint.vocab import vocab_record
-from ..optimizer import torch_optimizers
+from ..checkpoint.state import TrainingState, torch_optimizers
+from ..checkpoint.load import vocab_record
 from ..ddp import HiggsDDP, SyncStats, sync_traffic
 from ..device import collective_device, model_device, to_device
 from ..logs import get_logger, setup_logging
-from ..memory import MemoryManager
-from ..optimizer import wrap_optimizer
 from ..stability.exit_conditions import ExitConditions
-from ..stability.flags import restart_timeout
+from ..runtime.attach import attach
 from ..runtime.exits import UsageError
-from ..runtime.offload import attach_offload
 from .corpus import ByteTokenizer, build_corpus
 from .data import Batch, build_datasets, iteration_batches
 from .length_buckets import LengthBuckets
 from ..runtime.metrics import LogWindow, MetricsLogger
 from .model import build_model, build_optimizer, build_scheduler, num_parameters, transformer_config
 from .parallel import set_seeds
-from ..runtime.resilience import Resilience
 
 
 log = get_logger(__name__)
@@ -95,6 +89,7 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, callbacks: list[Callback] | None = None) -> None:
         setup_logging()
         self.args = args
+        self.run = run = args.run_config  # the typed config (``runtime.run_config``): what the runtime reads
         self.rank = dist.get_rank()
         is_writer = self.writes_logs()
         self.log = MetricsLogger(is_writer=is_writer, log_json=args.log_json,
@@ -136,18 +131,16 @@ class Trainer:
 
         self.config = transformer_config(args)
         set_seeds(args.seed)
-        if args.use_higgs:
-            self.model = build_model(args, self.config, HiggsDDP, higgs_config=args.higgs_config)
-            self.optimizer = wrap_optimizer(build_optimizer(args, self.model), self.model)
-            self.optimizer.on_skip.append(lambda verdict: None if verdict.sync_failed else self.log.event(
-                "step_skipped", f" iteration {self.iteration + 1}: {verdict.cause}; step skipped on every rank, "
-                "error-feedback residuals kept", iteration=self.iteration + 1, cause=verdict.cause))
+        if run.compression is not None:
+            self.model = build_model(args, self.config, HiggsDDP, higgs_config=run.compression)
         else:
             self.model = build_model(args, self.config)
-            self.optimizer = build_optimizer(args, self.model)
-        self.scheduler = build_scheduler(args, self.optimizer)
+        self.iteration = 0
+        self.runtime = attach(self.model, build_optimizer(args, self.model), run, self.log)
+        self.optimizer = self.runtime.optimizer
+        # Megatron's optimizer's param groups, which HiggsOptimizer only hands through
+        self.scheduler = build_scheduler(args, getattr(self.optimizer, "inner", self.optimizer))
         self._wire_megatron_hooks()
-        self.memory = self._memory_manager(args)
 
         params = torch.tensor([num_parameters(self.model)], dtype=torch.long, device=collective_device())
         if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
@@ -162,20 +155,15 @@ class Trainer:
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             data_parallel_size=self.dp_size,
-            higgs=args.higgs_config.to_dict() if args.use_higgs else None,
+            higgs=run.compression.to_dict() if run.compression else None,
         )
         self._log_sync_plan()
-        self.resilience = Resilience(args.higgs_step_timeout, restart_timeout(args), args.faults, self.log,
-                                     self.model, self.optimizer)
-        self.resilience.watch_grad_sync(get_model_config(self.model[0]), lambda: self.iteration + 1)
-        self.iteration = 0
         self.consumed_samples = 0
-        self.checkpointer = AsyncCheckpointer() if args.async_checkpoint else None
-        if args.load:
+        self.checkpointer = AsyncCheckpointer() if run.checkpoint.async_checkpoint else None
+        if run.checkpoint.load:
             self._load()
         self._saved_at = self.iteration
         self.failed_saves = 0  # in a row
-        self.saves = SaveSchedule(args.save_interval, args.checkpoint_interval)
 
     def writes_logs(self) -> bool:
         """Whether this process writes the log lines and records: the last rank (the last
@@ -201,18 +189,18 @@ class Trainer:
         return TrainingState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                              iteration=self.iteration, consumed_samples=self.consumed_samples,
                              use_distributed_optimizer=self.args.use_distributed_optimizer,
-                             higgs=self.args.higgs_config.to_dict() if self.args.use_higgs else None,
+                             higgs=self.run.compression.to_dict() if self.run.compression else None,
                              vocab=vocab_record(ByteTokenizer().vocab_size, self.args.make_vocab_size_divisible_by,
                                                 self.args.tensor_model_parallel_size))
 
     def _load(self) -> None:
-        args = self.args
+        args, checkpoint = self.args, self.run.checkpoint
         started = time.perf_counter()
         training = self.training_state()
-        loaded = load_checkpoint(training, args.load, args.recovery_mode, args.checkpoint_version)
+        loaded = load_checkpoint(training, checkpoint.load, checkpoint.recovery_mode, checkpoint.checkpoint_version)
         if loaded is None:
-            self.log.event("checkpoint_not_found", f" no committed checkpoint in {args.load}: starting from scratch",
-                           path=args.load)
+            self.log.event("checkpoint_not_found", f" no committed checkpoint in {checkpoint.load}: starting from "
+                           "scratch", path=checkpoint.load)
             return
         self.iteration, self.consumed_samples = training.iteration, training.consumed_samples
         if loaded.warning:
@@ -232,26 +220,25 @@ class Trainer:
     def save(self, final: bool = False) -> None:
         """Synchronous: the whole save. With ``--async-checkpoint``: wait for the previous save,
         then hand this one to the background writer. ``final``: no save comes after it."""
-        self.resilience.phase(self.iteration, "checkpoint")
+        checkpoint = self.run.checkpoint
+        self.runtime.checkpoint_phase(self.iteration)
         if self.checkpointer is None:
             self.log.event("save_started", iteration=self.iteration)
-            self._committed(lambda: [save_checkpoint(self.training_state(), self.args.save, self.args.keep_last)],
+            self._committed(lambda: [save_checkpoint(self.training_state(), checkpoint.save, checkpoint.keep_last)],
                             last_chance=final)
         else:
             self._committed(self.checkpointer.wait)
             self.log.event("save_started", iteration=self.iteration)
             started = time.perf_counter()
-            self.checkpointer.start(self.training_state(), self.args.save, self.args.keep_last)
+            self.checkpointer.start(self.training_state(), checkpoint.save, checkpoint.keep_last)
             stall = time.perf_counter() - started
             self.log.event("checkpoint_started_in_background", f" iteration {self.iteration}: save planned; the host "
                            f"copy, writing and hashing run in the background; the loop paid {stall * 1000:.0f} ms",
                            iteration=self.iteration, stall_seconds=stall)
         self._saved_at = self.iteration
-        self.saves.saved()
-        if self.memory is not None:
-            if self.checkpointer is not None:
-                self.checkpointer.before_update()
-            self.memory.settle()  # the save has its copy: offloaded state leaves again now
+        if self.runtime.memory is not None and self.checkpointer is not None:
+            self.checkpointer.before_update()  # the host copy first: offloaded state leaves again in ``saved``
+        self.runtime.saved()
 
     def _committed(self, finish: Callable[[], list[SaveResult]], last_chance: bool = False) -> None:
         """Log what ``finish()`` committed. A save that failed on any rank (a write, or an async
@@ -279,7 +266,7 @@ class Trainer:
     def _save_due(self) -> bool:
         """``--save-interval`` by iteration count; ``--checkpoint-interval`` by wall clock, agreed
         on by all ranks (``checkpoint.interval``)."""
-        return bool(self.args.save) and self.saves.due(self.iteration)
+        return bool(self.run.checkpoint.save) and self.runtime.saves.due(self.iteration)
 
     def finish_saves(self) -> None:
         """At the end of training: pending saves finish (every rank)."""
@@ -323,32 +310,30 @@ class Trainer:
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
         return (total[0] / total[1].clamp(min=1)).item()
 
-    def train_step(self) -> tuple[bool | None, float | None, float | None]:
-        """One attempt of the next iteration: (stepped, loss, grad norm); stepped is None when
-        every rank dropped the attempt (a progress alignment) and the iteration must run again."""
-        iteration = self.iteration + 1
-        fault = self.resilience.begin(iteration)
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        loss_dicts = self._forward_backward(self.consumed_samples, False, self.datasets.train,
-                                            poison=fault is not None and fault.kind == "nan")
-        self.resilience.phase(iteration, "vote")  # the step's decision, then the optimizer
-        if self.checkpointer is not None:
-            self.checkpointer.before_update()  # an async save's host copy must be done first
-        with self.resilience.bounded():
+    def train_step(self) -> tuple[bool, float | None, float | None]:
+        """The next iteration, under the runtime (``Runtime.step``: attempts that every rank
+        drops, progress alignments, run again on the same data): (stepped, loss, grad norm)."""
+
+        def attempt(fault) -> tuple[bool, float | None, float | None]:
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            loss_dicts = self._forward_backward(self.consumed_samples, False, self.datasets.train,
+                                                poison=fault is not None and fault.kind == "nan")
+            self.runtime.resilience.phase(self.iteration + 1, "vote")  # the step's decision, then the optimizer
+            if self.checkpointer is not None:
+                self.checkpointer.before_update()  # an async save's host copy must be done first
             update_successful, grad_norm, _ = self.optimizer.step()
-        take_verdict = getattr(self.optimizer, "take_verdict", None)  # without --use-higgs: no decision
-        if self.resilience.realigned(iteration, take_verdict() if take_verdict else None,
-                                     getattr(self.optimizer, "regroup_seconds", 0.0)):
-            return None, None, None
+            return update_successful, loss_dicts, grad_norm
+
+        update_successful, loss_dicts, grad_norm = self.runtime.step(self.iteration + 1, attempt)
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
         return update_successful, self._reduce_loss(loss_dicts), grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        self.resilience.phase(self.iteration, "evaluation")
+        self.runtime.resilience.phase(self.iteration, "evaluation")
         for chunk in self.model:
             chunk.eval()
         losses = []
@@ -383,9 +368,6 @@ class Trainer:
         while self.iteration < args.train_iters:
             started = time.perf_counter()
             ok, loss, grad_norm = self.train_step()
-            if ok is None:  # dropped on every rank: the same iteration again
-                result.alignments += 1
-                continue
             step_time = time.perf_counter() - started
             tokens = self._tokens(self.consumed_samples)
             self.iteration += 1
@@ -417,7 +399,7 @@ class Trainer:
                 fields["dense bytes"] = int(dense)
                 fields["wire bytes"] = int(wire)
                 fields["dense wire bytes"] = int(dense_wire)
-                if args.use_higgs:
+                if self.run.compression is not None:
                     fields["density"] = window.density
                     fields["compression time (ms)"] = compress_seconds * 1000.0
                 fields["number of skipped iterations"] = skipped
@@ -441,12 +423,13 @@ class Trainer:
             result.exit_reason = self.exits.due(self.iteration)
             if result.exit_reason is not None:
                 self.log.event("exit_requested", f" exiting after iteration {self.iteration}: {result.exit_reason}"
-                               + ("; saving a checkpoint first" if args.save and self._saved_at != self.iteration
+                               + ("; saving a checkpoint first" if self.run.checkpoint.save and self._saved_at != self.iteration
                                   else ""), iteration=self.iteration, reason=result.exit_reason)
                 break
-        if args.save and self._saved_at != self.iteration:
+        if self.run.checkpoint.save and self._saved_at != self.iteration:
             self.save(final=True)
         self.finish_saves()
+        result.alignments = self.runtime.alignments
         return result
 
     def state_dict(self) -> dict:
@@ -472,22 +455,9 @@ class Trainer:
         self.iteration = state["iteration"]
         self.consumed_samples = state["consumed_samples"]
 
-    def _memory_manager(self, args: argparse.Namespace) -> MemoryManager | None:
-        if args.higgs_block_allocator != "off" and not torch.cuda.is_available():
-            self.log.event("block_allocator_ignored", " --higgs-block-allocator: no CUDA caching allocator here "
-                           "(CPU run); nothing to configure")
-        if args.offload_config is None:
-            return None
-        return attach_offload(self.optimizer, self.model, args.offload_config, args.higgs_offload_schedule,
-                              on_event=lambda name, message, **fields: self.log.event(
-                                  name, message, iteration=self.iteration + 1, **fields),
-                              say=lambda name, message, fields: self.log.event(name, message, **fields))
-
     def close(self) -> None:
         self.exits.close()
-        if self.memory is not None:
-            self.memory.close()
-        self.resilience.close(self.iteration)
+        self.runtime.close()
         self.log.close()
 
 

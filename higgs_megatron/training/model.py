@@ -22,7 +22,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from ..checkpoint.vocab import padded_rows
+from ..checkpoint.load import padded_rows
 from .corpus import ByteTokenizer
 
 

@@ -23,16 +23,17 @@ silently ignored.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Callable
 
-from higgs_megatron.checkpoint.flags import add_rank_map_args, checkpoint_config_from_args, load_directory
-from higgs_megatron.config import HiggsConfig, add_higgs_args, higgs_config_from_args
+from higgs_megatron.checkpoint.flags import add_rank_map_args
+from higgs_megatron.config import add_higgs_args
 from higgs_megatron.given_flags import flags_given
-from higgs_megatron.memory import OffloadError
-from higgs_megatron.memory.flags import add_offload_args, offload_config_from_args
+from higgs_megatron.memory.flags import add_offload_args
 from higgs_megatron.launcher import launcher_world_size
 from higgs_megatron.runtime.exits import UsageError
-from higgs_megatron.stability.flags import add_stability_args, check_stability
+from higgs_megatron.runtime.run_config import MEGATRON_LM, RunConfig, run_config_from_args
+from higgs_megatron.stability.flags import add_stability_args
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -94,20 +95,17 @@ def run_length(args: argparse.Namespace) -> tuple[int, int]:
     return iters, (getattr(args, "lr_warmup_samples", None) or 0) // batch
 
 
-def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
-    """Check our flags against Megatron-LM's and map them onto it; the HiggsConfig, or None
-    without --use-higgs. Raises ``UsageError`` naming the flag; changes ``args`` only
-    when every check has passed."""
+def translate_args(args: argparse.Namespace) -> RunConfig | None:
+    """Check our flags against Megatron-LM's and map them onto it; the run's typed config
+    (``runtime.run_config``), or None without --use-higgs. Raises ``UsageError`` naming the
+    flag; changes ``args`` only when every check has passed."""
     if not args.use_higgs:
         given = _higgs_only_flags_given(args)
         if given:
             raise UsageError(f"{', '.join(given)}: only with --use-higgs (without it, Megatron-LM "
                                   "runs exactly as unpatched)")
         return None
-    try:
-        config = higgs_config_from_args(args, *run_length(args))
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    config = run_config_from_args(args, MEGATRON_LM, getattr(args, "world_size", None), *run_length(args))
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         raise UsageError("--use-higgs replaces the reduction of Megatron's DistributedDataParallel; "
                               "it does not combine with --use-torch-fsdp2 or --use-megatron-fsdp")
@@ -127,25 +125,14 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
     if args.checkpoint_version is not None and getattr(args, "ckpt_step", None) not in (None, args.checkpoint_version):
         raise UsageError(f"--checkpoint-version {args.checkpoint_version} and --ckpt-step {args.ckpt_step} "
                               "disagree; give one")
-    try:
-        checkpoint_config_from_args(args)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    try:
-        faults = check_stability(args, getattr(args, "world_size", None), use_higgs=True)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    if args.higgs_step_timeout is not None and getattr(args, "calculate_per_token_loss", False):
+    if config.stability.higgs_step_timeout is not None and getattr(args, "calculate_per_token_loss", False):
         raise UsageError("--higgs-step-timeout with --calculate-per-token-loss: Megatron-LM then all-reduces the "
                               "token count over the data-parallel group right after the sync, a wait this layer cannot "
                               "bound; give one")
-    if any(fault.kind == "nan" for fault in faults) and getattr(args, "check_for_nan_in_loss_and_grad", False):
+    if any(fault.kind == "nan" for fault in config.stability.faults) and getattr(args, "check_for_nan_in_loss_and_grad", False):
         raise UsageError("--inject-fault nan: Megatron-LM's own check stops the run at a NaN before --use-higgs "
                               "can skip the step; add --no-check-for-nan-in-loss-and-grad")
-    try:
-        offload = offload_config_from_args(args)
-    except OffloadError as error:
-        raise UsageError(str(error)) from None
+    offload = config.memory.offload
     if offload is not None and getattr(args, "log_params_norm", False):
         raise UsageError("--log-params-norm with --higgs-offload: Megatron-LM reads the optimizer's main "
                               "parameters for the norm after the step, while offloaded state is away; give one")
@@ -156,9 +143,10 @@ def translate_args(args: argparse.Namespace) -> HiggsConfig | None:
 
     if args.checkpoint_version is None and getattr(args, "ckpt_step", None) is not None:
         args.checkpoint_version = args.ckpt_step  # Megatron-LM's name for the same choice: validated as ours
+        config = replace(config, checkpoint=replace(config.checkpoint, checkpoint_version=args.ckpt_step))
     if args.checkpoint_version is not None:
         args.ckpt_step = args.checkpoint_version
-    args.load = load_directory(args)
+    args.load = config.checkpoint.load
     if args.async_checkpoint:
         args.async_save = True
         args.use_persistent_ckpt_worker = True

@@ -34,7 +34,6 @@ Two stages:
 from __future__ import annotations
 
 import atexit
-import logging
 import functools
 import inspect
 from typing import Any, Callable
@@ -47,22 +46,21 @@ import megatron.training.checkpointing as checkpointing
 import megatron.training.initialize as initialize
 import megatron.training.training as training
 
-from higgs_megatron import HiggsConfig, HiggsDDP, wrap_optimizer
-from higgs_megatron.checkpoint.interval import SaveSchedule
+from higgs_megatron import HiggsConfig, HiggsDDP
 from higgs_megatron.ddp import sync_traffic
-from higgs_megatron.device import collective_device
-from higgs_megatron.logs import get_logger, log_single_rank, setup_logging
-from higgs_megatron.memory import MemoryManager
-from higgs_megatron.memory.flags import apply_block_allocator, offload_config_from_args
+from higgs_megatron.logs import get_logger, setup_logging
+from higgs_megatron.memory.flags import apply_block_allocator
+from higgs_megatron.runtime.attach import Runtime, attach
 from higgs_megatron.runtime.exits import UsageError, report_usage_error
-from higgs_megatron.runtime.offload import attach_offload
+from higgs_megatron.runtime.metrics import LogWindow, MetricsLogger
+from higgs_megatron.runtime.run_config import RunConfig
 from higgs_megatron.launcher import launcher_rank
 from higgs_megatron.stability.regroup import prepare_backend
 
 from .cpu import cpu_flag_problems
 from .arguments import chain_args_providers, translate_args
 from .rank_map import RankMapHooks
-from .stability import StepRunner, build_resilience
+from .stability import MegatronLMWriters, StepRunner
 
 _originals: dict[tuple[Any, str], Any] = {}
 
@@ -130,11 +128,14 @@ def higgs_ddp_class(config: HiggsConfig) -> type:
     return MegatronLMHiggsDDP
 
 
-def activate(args: Any, config: HiggsConfig) -> None:
+def activate(args: Any, run: RunConfig) -> None:
     """Stage 2 (see the module docstring)."""
-    hooks = RankMapHooks(args, config)
-    apply_block_allocator(args.higgs_block_allocator)  # before process groups: no CUDA allocation yet
-    if args.higgs_step_timeout is not None:
+    global _run
+    _run = run
+    config = run.compression
+    hooks = RankMapHooks(args, run)
+    apply_block_allocator(run.memory.block_allocator)  # before process groups: no CUDA allocation yet
+    if run.stability.higgs_step_timeout is not None:
         prepare_backend(args.distributed_backend)  # before process groups: NCCL's error handling
     _rebind(training, "DDP", higgs_ddp_class(config))
     _rebind(training, "get_megatron_optimizer", _get_megatron_optimizer)
@@ -146,52 +147,47 @@ def activate(args: Any, config: HiggsConfig) -> None:
             functools.partial(hooks.generate_state_dict, original(checkpointing, "generate_state_dict")))
     _rebind(checkpointing, "schedule_async_save",
             functools.partial(hooks.schedule_async_save, original(checkpointing, "schedule_async_save")))
-    if args.checkpoint_interval is not None:
-        _rebind(training, "checkpoint_and_decide_exit", _IntervalSaver(args.save_interval, args.checkpoint_interval))
+    if run.checkpoint.checkpoint_interval is not None:
+        _rebind(training, "checkpoint_and_decide_exit", _interval_save)
     setup_logging()
     if launcher_rank() == 0:
         log.info(f" [higgs] HiggsDDP replaces Megatron's DDP ({config.compressor}, density {config.compression_ratio}, "
-                 f"sync {config.sync}); checkpoints carry a rank map (--recovery-mode {args.recovery_mode})")
+                 f"sync {config.sync}); checkpoints carry a rank map (--recovery-mode {run.checkpoint.recovery_mode})")
 
 
-_memory: MemoryManager | None = None
-_steps: StepRunner | None = None  # built with the optimizer
+_run: RunConfig | None = None  # set by ``activate``
+_runtime: Runtime | None = None  # attached with the optimizer
+_steps: StepRunner | None = None
 
 
 def _get_megatron_optimizer(config: Any, model_chunks: list, *args: Any, **kwargs: Any) -> Any:
-    """The wrapped optimizer; with ``--higgs-offload``, the memory manager attached to it."""
-    global _memory
-    global _steps
-    optimizer = wrap_optimizer(original(training, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs),
-                               model_chunks)
-    margs = megatron_training.get_args()
-    _steps = build_resilience(margs, model_chunks, optimizer)
-    offload = offload_config_from_args(margs)  # validated in translate_args
-    if offload is not None:
-        _memory = attach_offload(optimizer, model_chunks, offload, margs.higgs_offload_schedule,
-                                 on_event=_offload_event,
-                                 say=lambda name, message, fields: log_single_rank(log, logging.INFO, f" [higgs]{message}"))
-        atexit.register(_memory.close)  # state back, the nvme tier's files removed
-    return optimizer
-
-
-def _offload_event(name: str, message: str, **fields: Any) -> None:
-    """Moves differ per rank (each reads its own device): every rank prints its own."""
-    iteration = getattr(megatron_training.get_args(), "curr_iteration", 0) + 1
-    log.info(f" [higgs] [rank {dist.get_rank()}] iteration {iteration}: {name}:{message}")
+    """Megatron-LM's optimizer, the runtime attached to it (``runtime.attach``): the optimizer
+    Megatron-LM steps is the runtime's, wrapped. Its events go where Megatron-LM logs, from the
+    last rank, and to Megatron-LM's TensorBoard and W&B writers."""
+    global _runtime, _steps
+    optimizer = original(training, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
+    events = MetricsLogger(is_writer=dist.get_rank() == dist.get_world_size() - 1, callbacks=[MegatronLMWriters()])
+    _runtime = attach(model_chunks, optimizer, _run, events)
+    _steps = StepRunner(_runtime)
+    atexit.register(_runtime.close)
+    return _runtime.optimizer
 
 
 def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
     """Once a save returns, it has what it needs of the state it brought back (an async
     save's host copy included: megatron-core's callers finish ``preload_fn`` before
     ``schedule_async_request`` returns, the persistent worker through its joined preload
-    queue), so offloaded state leaves again now, not at the end of the next step."""
-    if _steps is not None:
-        _steps.checkpoint_phase()  # the watchdog lets a long write be
+    queue): ``Runtime.saved`` (the wall clock restarts, offloaded state leaves again)."""
+    if _runtime is not None:
+        _runtime.checkpoint_phase(getattr(megatron_training.get_args(), "curr_iteration", 0))
     result = save(*args, **kwargs)
-    if _memory is not None:
-        _memory.settle()
+    if _runtime is not None:
+        _runtime.saved()
     return result
+
+
+_TRAFFIC_KEYS = (("higgs MB sent", 1e-6), ("higgs MB dense", 1e-6), ("higgs compress ms", 1e3),
+                 ("higgs MB wire", 1e-6), ("higgs MB dense wire", 1e-6))  # LogWindow.per_rank_per_step's order
 
 
 def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *args: Any, **kwargs: Any) -> tuple:
@@ -200,38 +196,28 @@ def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *a
         result = _steps(train_step, forward_step_func, data_iterator, model, *args, **kwargs)
     else:
         result = train_step(forward_step_func, data_iterator, model, *args, **kwargs)
-    stats = sync_traffic(model)
-    # One small host-to-device copy and one all-reduce per step, every rank: the mean over the
-    # ranks (each pipeline stage counts its own chunks) of what Megatron-LM logs.
-    totals = torch.tensor([stats.bytes_sent * 1e-6, stats.dense_bytes * 1e-6, stats.density,
-                           stats.compress_seconds * 1e3, stats.wire_bytes * 1e-6, stats.dense_wire_bytes * 1e-6],
-                          dtype=torch.float64, device=collective_device())
-    dist.all_reduce(totals)
-    totals = (totals / dist.get_world_size()).float()
+    # One all-reduce per step, every rank (``LogWindow``, as our loop's at its log lines): the
+    # mean over the ranks of what Megatron-LM averages over its log interval and logs.
+    window = LogWindow()
+    window.add(sync_traffic(model))
+    totals = window.per_rank_per_step()
     loss_dict = result[0]
-    if loss_dict:  # the last pipeline stage logs; Megatron-LM reads these at its log interval
-        totals = totals.to(next(iter(loss_dict.values())).device)
-        for index, key in enumerate(("higgs MB sent", "higgs MB dense", "higgs density", "higgs compress ms",
-                                     "higgs MB wire", "higgs MB dense wire")):
-            loss_dict[key] = totals[index]
+    if loss_dict:  # the last pipeline stage logs
+        device = next(iter(loss_dict.values())).device
+        for (key, scale), value in zip(_TRAFFIC_KEYS, totals):
+            loss_dict[key] = torch.tensor(value * scale, device=device)
+        loss_dict["higgs density"] = torch.tensor(window.density, device=device)
     return result
 
 
-class _IntervalSaver:
-    """``checkpoint_and_decide_exit`` that also saves every ``seconds`` of wall-clock time
-    (``SaveSchedule``: Megatron-LM makes its own ``--save-interval`` saves)."""
-
-    def __init__(self, save_interval: int | None, seconds: float) -> None:
-        self.schedule = SaveSchedule(save_interval, seconds)
-
-    def __call__(self, model: Any, optimizer: Any, scheduler: Any, iteration: int, flops: Any,
-                 checkpointing_context: Any, train_data_iterator: Any) -> bool:
-        regular = self.schedule.by_iteration(iteration)
-        extra = not regular and self.schedule.by_wall_clock()
-        if extra:
-            training.save_checkpoint_and_time(iteration, model, optimizer, scheduler, flops, checkpointing_context,
-                                              train_data_iterator=train_data_iterator)
-        if extra or regular:
-            self.schedule.saved()
-        return original(training, "checkpoint_and_decide_exit")(
-            model, optimizer, scheduler, iteration, flops, checkpointing_context, train_data_iterator)
+def _interval_save(model: Any, optimizer: Any, scheduler: Any, iteration: int, flops: Any,
+                   checkpointing_context: Any, train_data_iterator: Any) -> bool:
+    """``checkpoint_and_decide_exit`` that also saves every ``--checkpoint-interval`` seconds of
+    wall-clock time (the runtime's ``SaveSchedule``; Megatron-LM makes its own
+    ``--save-interval`` saves, and any save restarts the clock: ``Runtime.saved``)."""
+    schedule = _runtime.saves
+    if not schedule.by_iteration(iteration) and schedule.by_wall_clock():
+        training.save_checkpoint_and_time(iteration, model, optimizer, scheduler, flops, checkpointing_context,
+                                          train_data_iterator=train_data_iterator)
+    return original(training, "checkpoint_and_decide_exit")(
+        model, optimizer, scheduler, iteration, flops, checkpointing_context, train_data_iterator)

@@ -43,16 +43,11 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from higgs_megatron import HiggsConfig
-from higgs_megatron.checkpoint.save import (MEGATRON_LM_TRACKER, PendingCheckpoint, commit, common_files,
-                                            current_layout, hash_files, shard_files)
-from higgs_megatron.checkpoint.load import agree, choose_checkpoint
-from higgs_megatron.checkpoint.manifest import Manifest
-from higgs_megatron.checkpoint.state import owner_written_optimizer_state
-from higgs_megatron.checkpoint.state import (prepare_fresh_optimizer_for_load, shard_records, tolerate_torch_adam_step,
-                                             untie_adam_steps)
-from higgs_megatron.checkpoint.validation import check_layout, uncovered_shards, verify_files
-from higgs_megatron.checkpoint.vocab import recorded_vocab, vocab_record
+from higgs_megatron.runtime.run_config import RunConfig
+from higgs_megatron.checkpoint.save import PendingCheckpoint, commit, common_files, hash_files, shard_files
+from higgs_megatron.checkpoint.load import agree, restoring, uncovered_shards, validated_checkpoint, vocab_record
+from higgs_megatron.checkpoint.manifest import MEGATRON_LM_TRACKER, Manifest, current_layout
+from higgs_megatron.checkpoint.state import owner_written_optimizer_state, shard_records
 from higgs_megatron.logs import get_logger, log_single_rank
 
 log = get_logger("higgs_megatron.patches.rank_map")
@@ -92,9 +87,9 @@ class PendingRankMap:
 class RankMapHooks:
     """The state shared by the wrappers of Megatron-LM's checkpoint functions."""
 
-    def __init__(self, args: Any, config: HiggsConfig) -> None:
+    def __init__(self, args: Any, run: RunConfig) -> None:
         self.args = args
-        self.config = config
+        self.run = run
         self.pending: PendingRankMap | None = None
         self.loading: Manifest | None = None   # set while Megatron-LM loads a resharded checkpoint
         self.loading_path: Path | None = None
@@ -114,7 +109,7 @@ class RankMapHooks:
         a = self.args
         self.pending = PendingRankMap(PendingCheckpoint(
             iteration=int(iteration), consumed_samples=int(getattr(a, "consumed_train_samples", 0)),
-            layout=current_layout(a.use_distributed_optimizer), higgs=self.config.to_dict(), save_dir=Path(a.save),
+            use_distributed_optimizer=a.use_distributed_optimizer, higgs=self.run.compression.to_dict(), save_dir=Path(a.save),
             in_place=True, started=time.perf_counter(), vocab=megatron_lm_vocab(a)))
         with owner_written_optimizer_state():
             result = original(iteration, *args, **kwargs)
@@ -147,37 +142,28 @@ class RankMapHooks:
         load_dir = getattr(a, load_arg, None)
         if load_arg != "load" or not load_dir:
             return original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)
-        path, warning = choose_checkpoint(Path(load_dir), a.checkpoint_version, pointer=TRACKER)
-        if path is None:
+        checkpoint = self.run.checkpoint
+        chosen = validated_checkpoint(load_dir, checkpoint.checkpoint_version, checkpoint.recovery_mode,
+                                      current_layout(a.use_distributed_optimizer), megatron_lm_vocab(a),
+                                      pointer=TRACKER)
+        if chosen is None:
             return original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)  # nothing saved yet
-        if warning:
-            log_single_rank(log, logging.WARNING, f" [higgs] warning: {warning}")
-        manifest = Manifest.read(path)
-        vocab = megatron_lm_vocab(a)
-        differences = check_layout(path, manifest.layout, current_layout(a.use_distributed_optimizer),
-                                   a.recovery_mode, recorded_vocab(manifest, vocab), vocab)
-        agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()),
-              f"{path} failed its integrity check")
+        if chosen.warning:
+            log_single_rank(log, logging.WARNING, f" [higgs] warning: {chosen.warning}")
+        path, manifest, resharded = chosen.path, chosen.manifest, chosen.resharded
         a.ckpt_step = manifest.iteration
-        resharded = bool(differences)
         if hasattr(optimizer, "skip_residuals_on_load"):
             optimizer.skip_residuals_on_load = resharded
         self.loading, self.loading_path = (manifest, path) if resharded else (None, None)
-        # megatron-core 0.16.1's distributed optimizer on torch Adam (no TE/Apex) cannot load into a
-        # fresh optimizer nor fill fully_reshardable state without these (see checkpoint.state).
-        if optimizer is not None:
-            prepare_fresh_optimizer_for_load(optimizer)
         try:
-            with owner_written_optimizer_state(), tolerate_torch_adam_step():
+            with restoring(optimizer):
                 result = original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)
         finally:
             self.loading = None
-        if optimizer is not None:
-            untie_adam_steps(optimizer)
         self.loaded = manifest
         if a.save and Path(a.save).resolve() == Path(load_dir).resolve():
             self.saved_iterations.add(manifest.iteration)  # committed already: a save of it again is skipped
-        how = "resharded: " + "; ".join(differences) if resharded else "same sharding"
+        how = "resharded: " + "; ".join(chosen.differences) if resharded else "same sharding"
         log_single_rank(log, logging.INFO, f" [higgs] loaded {path}: rank map and "
                         f"{sum(len(r.files) for r in manifest.ranks)} file hashes checked ({how})")
         return result

@@ -1,15 +1,15 @@
-"""Stability for Megatron-LM's pretrain_gpt.py: our pretrain script's, through its ``train_step``.
+"""Megatron-LM's ``train_step`` under the runtime, and Megatron-LM's writers as an event sink.
 
-The same ``Resilience`` as our loop (``higgs_megatron.runtime.resilience``), so the flags
-(``--higgs-step-timeout``, ``--higgs-restart-timeout``, ``--inject-fault``), the events and
-the exit statuses are the same. It is built when ``get_megatron_optimizer`` returns (process
-groups, model chunks and the wrapped optimizer exist then), and ``StepRunner`` takes
-Megatron-LM's ``train_step`` place:
+The runtime (``higgs_megatron.runtime.attach``) is attached when ``get_megatron_optimizer``
+returns (process groups, model chunks and Megatron-LM's optimizer exist then): the same
+resilience, flags (``--higgs-step-timeout``, ``--higgs-restart-timeout``, ``--inject-fault``),
+events and exit statuses as our loop. ``StepRunner`` takes Megatron-LM's ``train_step`` place
+and runs it through ``Runtime.step``:
 
-1. ``begin``: phase ``forward-backward``, then this rank's injected fault, if any;
+1. phase ``forward-backward``, then this rank's injected fault, if any;
 2. Megatron-LM's own ``train_step``, its ``optimizer.step()`` being ``HiggsOptimizer``'s, which
    takes the step's one decision; a vote that runs out, or groups that cannot be rebuilt, end
-   the rank with the restart status (``Resilience.bounded``);
+   the rank with the restart status;
 3. a step every rank dropped because a sync was given up on is a progress alignment: the
    groups are rebuilt by then, and Megatron-LM's ``train_step`` runs again on the same
    micro-batches (``_Replay`` hands the forward step what it fetched the first time), so
@@ -24,15 +24,10 @@ finishes an async save before it exits.
 
 from __future__ import annotations
 
-import atexit
 from typing import Any, Callable, Iterator
 
-import torch.distributed as dist
-from megatron.core.utils import get_model_config
-
-from higgs_megatron.stability.flags import check_stability, restart_timeout
-from higgs_megatron.runtime.metrics import MetricsLogger
-from higgs_megatron.runtime.resilience import Resilience
+from higgs_megatron.callbacks import Callback, scalars
+from higgs_megatron.runtime.attach import Runtime
 
 
 class _Replay:
@@ -47,6 +42,11 @@ class _Replay:
 
     def rewind(self) -> None:
         self.replaying, self._position = True, {}
+
+    def begin_attempt(self) -> None:
+        """The first attempt fetches; every later one replays what it fetched."""
+        if self.fetched:
+            self.rewind()
 
     def _items(self, source: Iterator[Any]) -> Iterator[Any]:
         key = id(source)
@@ -88,41 +88,39 @@ def _poisoned(loss_func: Callable) -> Callable:
 
 
 class StepRunner:
-    """Megatron-LM's ``train_step`` under ``Resilience`` (see the module docstring)."""
+    """Megatron-LM's ``train_step`` under ``Runtime.step`` (see the module docstring)."""
 
-    def __init__(self, resilience: Resilience) -> None:
-        self.resilience = resilience
-        self.iteration = 0
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
 
     def __call__(self, original: Callable, forward_step_func: Callable, data_iterator: Any, model: list,
                  optimizer: Any, *args: Any, **kwargs: Any) -> tuple:
         from megatron.training import get_args
 
-        self.iteration = get_args().curr_iteration + 1
-        config = get_model_config(model[0])
-        if not getattr(config.finalize_model_grads_func, "higgs_watched", False):
-            self.resilience.watch_grad_sync(config, lambda: self.iteration)
         replay = _Replay()
-        while True:
-            fault = self.resilience.begin(self.iteration)
+
+        def attempt(fault: Any) -> tuple:
+            replay.begin_attempt()
             step = replay.forward_step(forward_step_func, poison=fault is not None and fault.kind == "nan")
-            with self.resilience.bounded():
-                result = original(step, data_iterator, model, optimizer, *args, **kwargs)
-            if not self.resilience.realigned(self.iteration, optimizer.take_verdict(), optimizer.regroup_seconds):
-                return result
-            replay.rewind()
+            return original(step, data_iterator, model, optimizer, *args, **kwargs)
 
-    def checkpoint_phase(self) -> None:
-        self.resilience.phase(self.iteration, "checkpoint")
+        return self.runtime.step(get_args().curr_iteration + 1, attempt)
 
 
-def build_resilience(args: Any, model_chunks: list, optimizer: Any) -> StepRunner:
-    """The Resilience for this run, once the wrapped optimizer exists; logs from the last rank,
-    as Megatron-LM does. Its watchdog stops, and every rank says it is done, at exit."""
-    logger = MetricsLogger(is_writer=dist.get_rank() == dist.get_world_size() - 1)
-    faults = check_stability(args, dist.get_world_size(), use_higgs=True)  # checked in translate_args already
-    runner = StepRunner(Resilience(args.higgs_step_timeout, restart_timeout(args), faults, logger,
-                                   model_chunks, optimizer))
-    atexit.register(lambda: runner.resilience.close(runner.iteration))
-    return runner
+class MegatronLMWriters(Callback):
+    """The runtime's events, into Megatron-LM's own TensorBoard and W&B writers (those its
+    ``--tensorboard-dir`` and ``--wandb-project`` made, on the last rank): an event's numbers as
+    ``higgs/EVENT/FIELD`` at its iteration. Iterations are Megatron-LM's to log."""
 
+    def on_event(self, name: str, fields: dict[str, Any]) -> None:
+        if "iteration" not in fields:
+            return
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        values = {f"higgs/{name}/{key}": value for key, value in scalars(fields).items()}
+        tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
+        for key, value in values.items():
+            if tensorboard is not None:
+                tensorboard.add_scalar(key, value, fields["iteration"])
+        if wandb is not None and values:
+            wandb.log(values, step=fields["iteration"])
