@@ -11,7 +11,7 @@ A table sits between ``<!-- flags:NAME -->`` and ``<!-- /flags -->``. Flag: with
 where it has one. Meaning: the flag's help,
 its choices appended; default: what the help says after "default:", else the parser's (on/off
 for a switch); a schedule field ``--use-higgs`` derives when not given reads "derived: ...".
-``tests/test_flag_tables.py`` fails when a page and this differ.
+``tests/package/test_flag_tables.py`` fails when a page and this differ.
 """
 
 from __future__ import annotations

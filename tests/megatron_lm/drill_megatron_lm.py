@@ -1,0 +1,284 @@
+"""Megatron-LM's own pretrain_gpt.py (a core_v0.16.1 checkout, unmodified) under the patches,
+on CPU over gloo: sync equivalence, compression, the rank map on its checkpoints, reshard.
+
+Needs ``MEGATRON_LM_PATH`` (a checkout of tag core_v0.16.1) and Megatron-LM's training
+imports (``pip install -e '.[megatron-lm]'``); skipped, saying which is missing, without them.
+Megatron-LM logs, on the second iteration after a resume, the mean of the first two (its
+``training_log`` does not reset its sums on the first logged iteration): the continuity
+checks expect exactly that, and compare grad norms and final weights as well.
+"""
+
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from higgs_megatron_bench.ranks import REPO_ROOT, run_pretrain_script
+from higgs_megatron_patches.megatron_lm.cpu import CPU_FLAGS as PATCHES_CPU_FLAGS
+
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
+_MISSING = [name for name in ("transformers", "einops", "tiktoken", "sentencepiece", "regex", "six", "triton")
+            if importlib.util.find_spec(name) is None]
+pytestmark = [
+    pytest.mark.skipif(not CHECKOUT, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)"),
+    pytest.mark.skipif(bool(_MISSING), reason=f"Megatron-LM's training imports missing: {', '.join(_MISSING)} "
+                                              "(pip install -e '.[megatron-lm]')"),
+]
+
+LAUNCHER = REPO_ROOT / "patches" / "run_pretrain_gpt.py"
+CPU_FLAGS = [word for flag, _, _ in PATCHES_CPU_FLAGS for word in flag.split()]  # what the patches ask for
+MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-layers", "2",
+         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+         "--micro-batch-size", "2", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
+         "--eval-interval", "1000"]
+LAYOUTS = {
+    "dp2": (2, []),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "pp2xdp2-distopt": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]),
+}
+_LINE = re.compile(r" iteration +(\d+)/ +\d+ \|.*")
+
+
+def megatron_lm(nproc: int, *argv: str, iters: int = 6, global_batch: int = 4, expect_ok: bool = True):
+    proc = run_pretrain_script(["--megatron-lm-path", CHECKOUT, *MODEL, *CPU_FLAGS, "--train-iters", str(iters),
+                                "--global-batch-size", str(global_batch), *argv], nproc=nproc, timeout=600,
+                               env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, script=LAUNCHER)  # Megatron-LM asks it for TP
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def iterations(stdout: str) -> dict[int, dict[str, float]]:
+    """Per logged iteration: every 'name: value' field of Megatron-LM's line."""
+    found = {}
+    for match in _LINE.finditer(stdout):
+        fields = {}
+        for part in match.group(0).split("|")[1:]:
+            name, _, value = part.partition(":")
+            try:
+                fields[name.strip()] = float(value)
+            except ValueError:
+                continue
+        found[int(match.group(1))] = fields
+    return found
+
+
+def column(stdout: str, name: str) -> list[float]:
+    return [fields[name] for _, fields in sorted(iterations(stdout).items())]
+
+
+def tensors(checkpoint_dir, out) -> dict[str, torch.Tensor]:
+    """A torch_dist checkpoint's global tensors, read in this one process."""
+    dcp_to_torch_save(str(checkpoint_dir), str(out))
+    state = torch.load(out, weights_only=False)
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def assert_same_checkpoint(tmp_path, name: str) -> None:
+    """Runs a/ and b/ saved the same checkpoint ``name``: every tensor bitwise, optimizer state included."""
+    a = tensors(tmp_path / "a" / name, tmp_path / "a.pt")
+    b = tensors(tmp_path / "b" / name, tmp_path / "b.pt")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_higgs_none_equals_dense_for_10_iterations_and_one_percent_trains(layout):
+    nproc, flags = LAYOUTS[layout]
+    batch = 8 if nproc == 4 else 4
+    dense = megatron_lm(nproc, *flags, iters=10, global_batch=batch).stdout
+    none = megatron_lm(nproc, *flags, "--use-higgs", "--higgs-compressor", "none", iters=10,
+                       global_batch=batch).stdout
+    assert len(column(dense, "lm loss")) == 10
+    assert column(none, "lm loss") == column(dense, "lm loss")
+    assert column(none, "grad norm") == column(dense, "grad norm")
+    assert column(none, "higgs MB sent") == column(none, "higgs MB dense")
+
+    sparse = megatron_lm(nproc, *flags, "--use-higgs", "--higgs-sync", "sparse", "--higgs-compression-ratio", "0.01",
+                         iters=10, global_batch=batch).stdout
+    losses = column(sparse, "lm loss")
+    assert len(losses) == 10 and sum(losses[-3:]) < sum(losses[:3]), losses
+    sent, dense_bytes = column(sparse, "higgs MB sent"), column(sparse, "higgs MB dense")
+    if layout == "tp2":  # one data-parallel rank: no peer to send to, so nothing is compressed
+        assert sent == dense_bytes, (sent, dense_bytes)
+    else:
+        assert all(0 < s < d / 5 for s, d in zip(sent, dense_bytes)), (sent, dense_bytes)
+    assert set(column(sparse, "higgs density")) == {0.01}
+
+
+def test_dense_iterations_then_compression_with_frozen_adam_variance():
+    """``--higgs-dense-iters 4 --higgs-freeze-adam-variance`` through Megatron-LM's optimizer
+    factory: the first four steps are Megatron's own, then 1% compression starts."""
+    flags = ["--use-distributed-optimizer"]
+    dense = megatron_lm(2, *flags, iters=8).stdout
+    # --no-higgs-dense-int8: the dense stage through Megatron's own collective (by default it goes
+    # as the int8 payload at density 1, which rounds)
+    staged = megatron_lm(2, *flags, "--use-higgs", "--higgs-sync", "sparse", "--higgs-compression-ratio", "0.01",
+                         "--higgs-dense-iters", "4", "--higgs-freeze-adam-variance", "--no-higgs-dense-int8",
+                         iters=8).stdout
+    assert column(staged, "lm loss")[:5] == column(dense, "lm loss")[:5]
+    assert column(staged, "lm loss")[5:] != column(dense, "lm loss")[5:]
+    assert column(staged, "higgs density") == [1.0] * 4 + [0.01] * 4
+    sent, dense_bytes = column(staged, "higgs MB sent"), column(staged, "higgs MB dense")
+    assert sent[:4] == dense_bytes[:4] and all(s < d / 5 for s, d in zip(sent[4:], dense_bytes[4:]))
+
+
+def test_without_use_higgs_the_patched_run_equals_the_unpatched_checkout():
+    unpatched = megatron_lm(2, "--higgs-no-patches").stdout
+    patched = megatron_lm(2).stdout
+    assert column(patched, "lm loss") == column(unpatched, "lm loss") and len(column(patched, "lm loss")) == 6
+    assert column(patched, "grad norm") == column(unpatched, "grad norm")
+    assert "higgs" not in "".join(_LINE.findall(patched))
+
+
+@pytest.mark.parametrize("saving", ["sync", "async"])
+def test_save_and_resume_continue_the_straight_run(tmp_path, saving):
+    common = ["--use-higgs", "--higgs-sync", "sparse", "--use-distributed-optimizer", "--save-interval", "3"]
+    if saving == "async":
+        common.append("--async-checkpoint")
+    straight = megatron_lm(2, *common, "--save", str(tmp_path / "a")).stdout
+    resumed = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--load", str(tmp_path / "a"),
+                          "--checkpoint-version", "3").stdout
+    assert "rank map and 7 file hashes checked (same sharding)" in resumed
+    full, tail = iterations(straight), iterations(resumed)
+    assert sorted(tail) == [4, 5, 6]
+    assert tail[4]["lm loss"] == full[4]["lm loss"] and tail[6]["lm loss"] == full[6]["lm loss"]
+    assert tail[5]["lm loss"] == pytest.approx((full[4]["lm loss"] + full[5]["lm loss"]) / 2, rel=1e-6)
+    assert [tail[i]["grad norm"] for i in (4, 5, 6)] == [full[i]["grad norm"] for i in (4, 5, 6)]
+    assert_same_checkpoint(tmp_path, "iter_0000006")
+
+
+@pytest.mark.parametrize("saved", ["tp2", "pp2"])
+def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, saved, capsys):
+    """tp2: a 301-token vocabulary pads to 512 rows at TP=2 and to 384 at TP=1 (the default
+    divisor): the reshard keeps every real row; the checkpoint tool plans it first."""
+    from higgs_megatron.cli import main as cli
+
+    flag = "--tensor-model-parallel-size" if saved == "tp2" else "--pipeline-model-parallel-size"
+    common = ["--use-higgs", "--higgs-sync", "sparse", "--use-distributed-optimizer"]
+    common += ["--vocab-size", "300"] if saved == "tp2" else []
+    megatron_lm(2, *common, flag, "2", "--save", str(tmp_path / "a"), "--save-interval", "3")
+
+    refused = megatron_lm(2, *common, "--load", str(tmp_path / "a"), expect_ok=False)
+    assert refused.returncode != 0
+    size = "tensor" if saved == "tp2" else "pipeline"
+    assert ("--recovery-mode same-sharding refuses to load it" in refused.stderr
+            and f"{size}-model-parallel size: checkpoint 2, now 1" in refused.stderr
+            and "data-parallel size: checkpoint 1, now 2" in refused.stderr), refused.stderr[-3000:]
+    capsys.readouterr()
+    assert cli(["checkpoint", "plan", str(tmp_path / "a"), "--tensor-model-parallel-size", "1",
+                "--pipeline-model-parallel-size", "1", "--data-parallel-size", "2", "--recovery-mode", "reshard"]) == 0
+    plan = capsys.readouterr().out
+    assert "--recovery-mode reshard: loads" in plan and "--recovery-mode same-sharding: refused" in plan
+    if saved == "tp2":
+        assert "padded vocabulary: checkpoint 512 rows, now 384" in refused.stderr
+        assert "--make-vocab-size-divisible-by 256 would keep 512" in refused.stderr
+        assert "embedding.word_embeddings.weight: 512 rows in the checkpoint, 384 at the target" in plan
+
+    # Loaded at DP=2 and saved again before any step: the same global tensors, model and optimizer.
+    again = megatron_lm(2, *common, "--load", str(tmp_path / "a"), "--checkpoint-version", "3",
+                        "--recovery-mode", "reshard", "--save", str(tmp_path / "b"), "--save-interval", "1000",
+                        "--use-checkpoint-opt_param-scheduler", iters=3).stdout
+    assert "(resharded: " in again
+    a = tensors(tmp_path / "a" / "iter_0000003", tmp_path / "a.pt")
+    b = tensors(tmp_path / "b" / "iter_0000003", tmp_path / "b.pt")
+    compared = [key for key in a if key.startswith(("decoder.", "embedding.", "output_layer.", "optimizer.state."))]
+    assert any(key.startswith("optimizer.state.exp_avg") for key in compared)
+    for key in compared:
+        rows = 301 if key.endswith(("word_embeddings.weight", "output_layer.weight")) else None
+        assert torch.equal(a[key][:rows], b[key][:rows]), key
+    if saved == "tp2":
+        assert a["embedding.word_embeddings.weight"].shape[0] == 512
+        assert b["embedding.word_embeddings.weight"].shape[0] == 384
+
+    continued = megatron_lm(2, *common, "--load", str(tmp_path / "a"), "--checkpoint-version", "3",
+                            "--recovery-mode", "reshard").stdout
+    before, after = column(megatron_lm(2, *common, flag, "2").stdout, "lm loss"), column(continued, "lm loss")
+    assert len(after) == 3 and after[-1] < before[2], (before, after)
+
+
+def test_checkpoint_interval_saves_by_wall_clock(tmp_path):
+    out = megatron_lm(2, "--use-higgs", "--higgs-sync", "sparse", "--save", str(tmp_path / "c"), "--save-interval",
+                      "1000", "--checkpoint-interval", "0.001", iters=3).stdout
+    committed = sorted(p.parent.name for p in (tmp_path / "c").glob("iter_*/rank_map.json"))
+    assert committed == ["iter_0000001", "iter_0000002", "iter_0000003"], out[-2000:]
+    # Megatron-LM's final save (3 is not a multiple of --save-interval) finds iteration 3 committed
+    assert out.count("iteration 3 is already saved by this run; not saving it again") == 1, out[-2000:]
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_offload_under_pressure_moves_state_and_changes_nothing(tmp_path, tier):
+    """The memory manager on Megatron-LM's optimizer (DP=2, distributed optimizer): with a
+    scripted pressure schedule the state leaves at iteration 3 and returns at 8, and the run
+    is bitwise the run without it; the nvme tier's files are gone at the end."""
+    flags = ["--use-higgs", "--higgs-compressor", "none", "--use-distributed-optimizer"]
+    plain = megatron_lm(2, *flags, iters=10).stdout
+    tier_flags = ["--higgs-offload-device", "nvme", "--higgs-offload-dir", str(tmp_path / "off")] if tier == "nvme" else []
+    offloaded = megatron_lm(2, *flags, "--higgs-offload", "--higgs-offload-schedule", "0.5x2,0.95x3,0.82x2,0.5",
+                            *tier_flags, iters=10).stdout
+    assert column(offloaded, "lm loss") == column(plain, "lm loss") and len(column(plain, "lm loss")) == 10
+    assert column(offloaded, "grad norm") == column(plain, "grad norm")
+    for rank in (0, 1):
+        assert f"[rank {rank}] iteration 3: optimizer_state_offloaded:" in offloaded, offloaded[-3000:]
+        assert f"[rank {rank}] iteration 8: optimizer_state_reloaded:" in offloaded, offloaded[-3000:]
+    assert offloaded.count("optimizer_state_offloaded") == offloaded.count("optimizer_state_reloaded") == 2
+    if tier == "nvme":
+        assert not list((tmp_path / "off").rglob("*.bin"))
+
+
+def test_async_saves_while_state_is_offloaded_resume_bitwise(tmp_path):
+    """State is away from iteration 3 on; the async saves at 3 and 6 bring it back for their
+    copy and send it away again right after: the checkpoint at 3 resumes into the same 4-6."""
+    common = ["--use-higgs", "--higgs-sync", "sparse", "--use-distributed-optimizer", "--save-interval", "3",
+              "--async-checkpoint"]
+    straight = megatron_lm(2, *common, "--save", str(tmp_path / "a"), "--higgs-offload",
+                           "--higgs-offload-schedule", "0.5x2,0.95").stdout
+    assert "[rank 0] iteration 3: optimizer_state_offloaded:" in straight
+    resumed = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--load", str(tmp_path / "a"),
+                          "--checkpoint-version", "3").stdout
+    full, tail = iterations(straight), iterations(resumed)
+    assert [tail[i]["grad norm"] for i in (4, 5, 6)] == [full[i]["grad norm"] for i in (4, 5, 6)]
+    assert_same_checkpoint(tmp_path, "iter_0000006")
+
+
+DRILL = ["--use-higgs", "--use-distributed-optimizer", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--save-interval", "1000"]
+BUCKETS = {"dense": ["--higgs-link-gbps", "100"],  # the default --higgs-sync auto, told the link is fast
+           "sparse": ["--higgs-sync", "sparse", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.05"]}
+
+
+@pytest.mark.parametrize("buckets", BUCKETS)
+def test_a_hang_past_the_step_timeout_is_one_alignment_and_changes_nothing(tmp_path, buckets):
+    """hang@1:3:6 under --higgs-step-timeout 2 (DP=2, distributed optimizer): rank 0 gives the
+    sync up, every rank drops the step, rebuilds its data-parallel groups and runs iteration 3
+    again on the same micro-batches; Megatron-LM logs six iterations, none skipped, and the
+    checkpoint at 6 is bitwise the undisturbed run's."""
+    common = [*DRILL, *BUCKETS[buckets], "--higgs-step-timeout", "2"]
+    clean = megatron_lm(2, *common, "--save", str(tmp_path / "a")).stdout
+    hang = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--inject-fault", "hang@1:3:6").stdout
+    alignments = re.findall(r"progress alignment at iteration (\d+): step dropped on every rank \(([^)]*)\)", hang)
+    assert alignments == [("3", "rank 0: gradient sync did not complete within 2s")], hang[-3000:]
+    assert sorted(iterations(hang)) == list(range(1, 7))
+    assert column(hang, "lm loss") == column(clean, "lm loss")
+    assert "number of skipped iterations:   1" not in hang
+    assert_same_checkpoint(tmp_path, "iter_0000006")
+
+
+def test_sigterm_under_megatron_lms_exit_signal_handler_commits_the_rank_map_and_resumes_bitwise(tmp_path):
+    """Megatron-LM's own --exit-signal-handler, with rank 1 sent SIGTERM in iteration 3: every
+    rank exits with status 0 after saving iteration 3 through the rank map; --auto-resume then
+    loads it (rank map and hashes checked) and ends bitwise where the straight run ends."""
+    common = [*DRILL, *BUCKETS["sparse"]]
+    megatron_lm(2, *common, "--save", str(tmp_path / "a"))
+    stopped = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--exit-signal-handler",
+                          "--inject-fault", "sigterm@1:3").stdout
+    assert "exiting program after receiving SIGTERM" in stopped
+    assert sorted(p.parent.name for p in (tmp_path / "b").glob("iter_*/rank_map.json")) == ["iter_0000003"]
+    resumed = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--auto-resume").stdout
+    assert "iter_0000003: rank map and" in resumed and "(same sharding)" in resumed, resumed[-3000:]
+    assert sorted(iterations(resumed)) == [4, 5, 6]
+    assert_same_checkpoint(tmp_path, "iter_0000006")

@@ -1,0 +1,206 @@
+"""Stability: injected faults, the watchdog, progress alignment and automatic resume, in real
+multi-process runs over gloo."""
+
+import json
+
+import torch
+
+from higgs_megatron_bench.ranks import run_pretrain_script, run_ranks
+from tests.workers.common import run_trainer, train_variants
+
+
+SPARSE = ["--use-higgs", "--higgs-sync", "sparse", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.05"]
+
+
+def _base(tiny_gpt_args, tmp_path, name, iters=6):
+    return tiny_gpt_args + SPARSE + ["--global-batch-size", "8", "--train-iters", str(iters), "--overlap-grad-reduce",
+                                     "--ddp-bucket-size", "20000", "--hidden-dropout", "0", "--attention-dropout", "0",
+                                     "--log-json", str(tmp_path / f"{name}.jsonl")]
+
+
+DENSE_BUCKETS = ["--use-distributed-optimizer", "--ddp-bucket-size", "20000"]
+
+
+def _dense_auto(tiny_gpt_args, tmp_path, name, iters=6):
+    """The defaults a new user runs with, --higgs-sync auto and no --overlap-grad-reduce, told
+    the link is fast (as auto finds an accelerator's links; measured on a loaded 2-core machine
+    this tiny model's latency-bound buckets may go either way): every bucket dense."""
+    return tiny_gpt_args + ["--use-higgs", "--higgs-link-gbps", "100", "--global-batch-size", "8",
+                            "--train-iters", str(iters),
+                            "--hidden-dropout", "0", "--attention-dropout", "0",
+                            "--log-json", str(tmp_path / f"{name}.jsonl")]
+
+
+def test_slow_within_the_timeout_hang_past_it_and_nan(tmp_path, tiny_gpt_args):
+    """slow (1 s under a 4 s timeout): at most a warning, no alignment, bitwise the clean run.
+    hang (6 s past a 2 s timeout), on compressed buckets and on dense ones (auto, one host; the
+    distributed optimizer's reduce-scatter): one
+    alignment, all iterations run, replicas identical, and (no dropout) the redone step equals
+    the clean run's. nan: the step is skipped everywhere. nan and hang in one step: one dropped
+    step, one rollback, and the iteration runs again."""
+    variants = {
+        "clean": _base(tiny_gpt_args, tmp_path, "clean") + ["--higgs-step-timeout", "4"],
+        "slow": _base(tiny_gpt_args, tmp_path, "slow") + ["--higgs-step-timeout", "4",
+                                                          "--inject-fault", "slow@1:3:1"],
+        "hang": _base(tiny_gpt_args, tmp_path, "hang") + ["--higgs-step-timeout", "2",
+                                                          "--inject-fault", "hang@1:3:6"],
+        "hang_nan": _base(tiny_gpt_args, tmp_path, "hang_nan") + ["--higgs-step-timeout", "2",
+                                                                  "--inject-fault", "hang@1:3:6",
+                                                                  "--inject-fault", "nan@0:3"],
+        "nan": _base(tiny_gpt_args, tmp_path, "nan") + ["--inject-fault", "nan@0:4"],
+        "clean_dense": _dense_auto(tiny_gpt_args, tmp_path, "clean_dense") + ["--higgs-step-timeout", "4",
+                                                                              *DENSE_BUCKETS],
+        "hang_dense": _dense_auto(tiny_gpt_args, tmp_path, "hang_dense") + ["--higgs-step-timeout", "2",
+                                                                            *DENSE_BUCKETS,
+                                                                            "--inject-fault", "hang@1:3:6"],
+    }
+    outs = run_ranks(train_variants, 2, args=(variants,), timeout=500)
+    for name in variants:
+        for key, value in outs[0]["params"][name].items():
+            assert torch.equal(value, outs[1]["params"][name][key]), f"{name}: DP replicas differ at {key}"
+    for out in outs:
+        assert out["alignments"] == {"clean": 0, "slow": 0, "hang": 1, "hang_nan": 1, "nan": 0,
+                                     "clean_dense": 0, "hang_dense": 1}
+        for name, clean in (("slow", "clean"), ("hang", "clean"), ("hang_nan", "clean"), ("hang_dense", "clean_dense")):
+            assert sorted(out["losses"][name]) == list(range(1, 7))
+            for key, value in out["params"][name].items():
+                assert torch.equal(value, out["params"][clean][key]), f"{name} differs from the {clean} run at {key}"
+    events = outs[1]["events"]
+    plan = [e for e in events["hang_dense"] if e["event"] == "higgs_sync_plan"]
+    assert plan and {b["path"] for b in plan[0]["buckets"]} == {"dense"}, plan
+    for name in ("hang", "hang_dense", "hang_nan"):
+        alignment = [e for e in events[name] if e["event"] == "progress_alignment"]
+        assert len(alignment) == 1 and alignment[0]["iteration"] == 3, (name, alignment)
+        assert "gradient sync did not complete within 2s" in alignment[0]["cause"]
+        assert alignment[0]["seconds_lost"] >= 2
+        assert not [e for e in events[name] if e["event"] == "step_skipped"], name
+    assert "rank 0: non-finite gradients" in [e for e in events["hang_nan"]
+                                              if e["event"] == "progress_alignment"][0]["cause"]
+    stalled = [e for e in events["hang"] if e["event"] == "progress_stalled"]
+    assert stalled, events["hang"]
+    phases = {entry["rank"]: entry["phase"] for entry in stalled[0]["stalled"]}
+    assert phases[1] == "forward-backward" and phases.get(0, "grad-sync") == "grad-sync", phases
+    assert not [e for e in events["slow"] if e["event"] == "progress_alignment"]
+    skipped = [e for e in events["nan"] if e["event"] == "step_skipped"]
+    assert [e["iteration"] for e in skipped] == [4]
+    assert outs[0]["params"]["nan"].keys() == outs[0]["params"]["clean"].keys()
+
+
+def test_a_hang_under_two_optimizer_instances_is_one_alignment_on_either_level(tmp_path, tiny_gpt_args):
+    """--num-distributed-optimizer-instances 2 over DP=4: a 6 s hang past a 2 s timeout, with the
+    cross-instance all-reduce compressed and with every bucket dense (reduce-scatter inside the
+    instance, then the shard's all-reduce across): one alignment each, every group rebuilt
+    (the cross-instance one included), the clean run's parameters bitwise."""
+    instances = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+                 "--ddp-bucket-size", "20000", "--global-batch-size", "16"]
+    compressed = ["--higgs-sync", "sparse", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0",
+                  "--overlap-grad-reduce"]
+    variants = {}
+    for kind, flags in (("compressed", compressed), ("dense", ["--higgs-sync", "dense"])):
+        base = tiny_gpt_args + ["--use-higgs", "--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout",
+                                "0"] + instances + flags
+        variants[f"clean_{kind}"] = base + ["--higgs-step-timeout", "4"]
+        variants[f"hang_{kind}"] = base + ["--higgs-step-timeout", "2", "--inject-fault", "hang@1:3:6"]
+    outs = run_ranks(train_variants, 4, args=(variants,), timeout=500)
+    for out in outs:
+        assert out["alignments"] == {"clean_compressed": 0, "hang_compressed": 1, "clean_dense": 0, "hang_dense": 1}
+        for kind in ("compressed", "dense"):
+            assert sorted(out["losses"][f"hang_{kind}"]) == list(range(1, 7))
+            for key, value in out["params"][f"hang_{kind}"].items():
+                assert torch.equal(value, out["params"][f"clean_{kind}"][key]), f"{kind}: differs at {key}"
+                assert torch.equal(value, outs[0]["params"][f"hang_{kind}"][key]), f"{kind}: replicas differ at {key}"
+
+
+def test_crash_restarts_and_resumes_from_the_latest_checkpoint(tmp_path, tiny_gpt_args):
+    """crash@1:6 under torchrun --max-restarts 1 with async checkpoints every 2 iterations:
+    the job finishes, and its final parameters equal those of a run that resumed from the
+    same checkpoint without a crash."""
+    save, reference = tmp_path / "ckpt", tmp_path / "reference"
+    log = tmp_path / "crash.jsonl"
+    base = tiny_gpt_args + SPARSE + ["--global-batch-size", "8", "--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
+    argv = base + ["--train-iters", "8", "--save", str(save), "--save-interval", "2", "--async-checkpoint",
+                   "--auto-resume", "--inject-fault", "crash@1:6", "--log-json", str(log)]
+    proc = run_pretrain_script(argv, nproc=2, timeout=400, extra_launcher_args=["--max-restarts", "1"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "(exitcode: 43)" in proc.stderr  # the injected crash, seen by torchrun
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    loaded = [r for r in records if r["type"] == "event" and r["event"] == "checkpoint_loaded"]
+    assert len(loaded) == 1 and 2 <= loaded[0]["iteration"] <= 5, loaded
+    resumed_from = loaded[0]["iteration"]
+    run_ranks(run_trainer, 2, args=(base + ["--train-iters", "8", "--load", str(save), "--checkpoint-version",
+                                            str(resumed_from), "--save", str(reference)],))
+    crashed = run_ranks(run_trainer, 2, args=(base + ["--train-iters", "8", "--load", str(save)],))
+    clean = run_ranks(run_trainer, 2, args=(base + ["--train-iters", "8", "--load", str(reference)],))
+    for a, b in zip(crashed, clean):
+        assert a["start"] == b["start"] == 8
+        assert a["final"].keys() == b["final"].keys()
+        for key in a["final"]:
+            for (shape_a, offset_a, piece_a), (shape_b, offset_b, piece_b) in zip(a["final"][key], b["final"][key]):
+                assert torch.equal(piece_a, piece_b), key
+
+
+def test_a_rank_that_never_returns_ends_in_a_restart_and_the_job_finishes(tmp_path, tiny_gpt_args):
+    """freeze@1:5 (rank 1 SIGSTOPs itself for good) under torchrun --max-restarts 1: rank 0 gives
+    the sync up after 2 s, waits at most 6 s for rank 1's vote, says why, kills the stopped rank
+    (on its host) and exits with status 75; torchrun restarts the job, which resumes from its
+    latest checkpoint and finishes with identical replicas."""
+    save, log = tmp_path / "ckpt", tmp_path / "freeze.jsonl"
+    argv = _dense_auto(tiny_gpt_args, tmp_path, "freeze", iters=8) + [
+        "--save", str(save), "--save-interval", "2", "--auto-resume", "--higgs-step-timeout", "2",
+        "--higgs-restart-timeout", "6", "--inject-fault", "freeze@1:5",
+        "--check-weight-hash-across-dp-replicas-interval", "1"]
+    argv[argv.index("--log-json") + 1] = str(log)
+    proc = run_pretrain_script(argv, nproc=2, timeout=240, extra_launcher_args=["--max-restarts", "1"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # Which failure torchrun's monitor sees first is a race: rank 0's exit 75, or the rank it killed.
+    assert "(exitcode: 75)" in proc.stderr or "(exitcode: -9) local_rank: 1" in proc.stderr, proc.stderr[-4000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    events = [r for r in records if r["type"] == "event"]
+    # Rank 0 says why on stderr (the JSONL writer is the last rank, the frozen one here).
+    assert "[rank 0] rank(s) [1] did not vote on step attempt" in proc.stderr, proc.stderr[-4000:]
+    assert "killed the stuck rank(s) [1] on this host" in proc.stderr  # not 30 s of torchrun's SIGTERM grace
+    loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert [e["iteration"] for e in loaded] == [4], loaded
+    assert max(e["iteration"] for e in events if e["event"] == "replicas_identical") == 8
+
+
+def test_sigterm_with_the_exit_signal_handler_saves_exits_zero_and_resumes_bitwise(tmp_path, tiny_gpt_args):
+    """sigterm@1:3 with --exit-signal-handler under torchrun: every rank learns of rank 1's signal
+    at the end of iteration 3, a checkpoint of iteration 3 is committed, and every rank exits
+    with status 0 (torchrun's own status is 0 only then). Resumed to iteration 6, the run ends
+    bitwise where an uninterrupted run ends (compressed buckets: the residuals come along)."""
+    save, log = tmp_path / "ckpt", tmp_path / "sigterm.jsonl"
+    base = _base(tiny_gpt_args, tmp_path, "sigterm")
+    argv = base + ["--save", str(save), "--save-interval", "100", "--exit-signal-handler",
+                   "--inject-fault", "sigterm@1:3"]
+    argv[argv.index("--log-json") + 1] = str(log)
+    proc = run_pretrain_script(argv, nproc=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = [r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "event"]
+    exits = [e for e in events if e["event"] == "exit_requested"]
+    assert [(e["iteration"], e["reason"]) for e in exits] == [(3, "SIGTERM received")], exits
+    assert [e["iteration"] for e in events if e["event"] == "checkpoint_committed"] == [3]
+    assert (save / "latest").read_text().strip().endswith("3")
+    resumed = run_ranks(run_trainer, 2, args=(base + ["--load", str(save)],))
+    clean = run_ranks(run_trainer, 2, args=(base,))
+    for a, b in zip(resumed, clean):
+        assert a["start"] == 3 and b["start"] == 0
+        assert a["final"].keys() == b["final"].keys()
+        for key in a["final"]:
+            for (_, _, piece_a), (_, _, piece_b) in zip(a["final"][key], b["final"][key]):
+                assert torch.equal(piece_a, piece_b), key
+
+
+def test_exit_interval_and_duration_end_the_run_with_a_checkpoint(tmp_path, tiny_gpt_args):
+    """--exit-interval 2 leaves after iteration 2 with a checkpoint of it; --exit-duration-in-mins
+    leaves at the first iteration boundary past the budget (here, the first), saving."""
+    base = _base(tiny_gpt_args, tmp_path, "exits")
+    outs = run_ranks(train_variants, 2, args=({
+        "interval": base + ["--exit-interval", "2", "--save", str(tmp_path / "interval")],
+        "duration": base + ["--exit-duration-in-mins", "1e-9", "--save", str(tmp_path / "duration")],
+    },))
+    for out in outs:
+        assert out["exits"]["interval"] == (2, "iteration 2 (--exit-interval 2)")
+        assert out["exits"]["duration"][0] == 1 and "--exit-duration-in-mins" in out["exits"]["duration"][1]
+    for name, iteration in (("interval", 2), ("duration", 1)):
+        assert (tmp_path / name / "latest").read_text().strip().endswith(str(iteration))

@@ -1,0 +1,49 @@
+"""Rank functions for tests/checkpoint/drill_checkpoint.py (run through higgs_megatron_bench.ranks.run_ranks)."""
+
+from __future__ import annotations
+
+from tests.workers.common import tensor_pieces
+
+
+def optimizer_state_both_ways(argv: list[str]) -> dict:
+    """After two steps: the distributed optimizer's fully_reshardable state as Megatron builds
+    it (all-DP gather) and as ``owner_param_state`` builds it, as main-replica pieces."""
+    from higgs_megatron.checkpoint.state import owner_written_optimizer_state
+    from higgs_megatron.checkpoint.state import SHARDING
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
+
+    args = parse_args(argv + ["--train-iters", "2"])
+    with training_environment(args):
+        trainer = Trainer(args)
+        trainer.train()
+        model_sd = trainer.model[0].module.sharded_state_dict()
+        optimizer = getattr(trainer.optimizer, "inner", trainer.optimizer)
+        megatron = tensor_pieces(optimizer.sharded_state_dict(model_sd, metadata=SHARDING))
+        with owner_written_optimizer_state():
+            ours = tensor_pieces(optimizer.sharded_state_dict(model_sd, metadata=SHARDING))
+        trainer.close()
+    keep = lambda pieces: {k: v for k, v in pieces.items() if k.startswith("optimizer.state.")}  # noqa: E731
+    return {"megatron": keep(megatron), "ours": keep(ours)}
+
+
+def save_schedule_decisions() -> list[bool]:
+    """``SaveSchedule(3, 0.2)`` asked after iterations 1..6, the wall clock passing its 0.2 s
+    before iteration 5 (and restarted by every save); on the default group, as a loop asks it."""
+    import time
+
+    import torch.distributed as dist
+
+    from higgs_megatron.checkpoint.interval import SaveSchedule
+
+    dist.init_process_group("gloo")
+    schedule, decisions = SaveSchedule(3, 0.2), []
+    for iteration in range(1, 7):
+        if iteration == 5:
+            time.sleep(0.25)
+        decisions.append(schedule.due(iteration))
+        if decisions[-1]:
+            schedule.saved()
+    dist.destroy_process_group()
+    return decisions
