@@ -4,7 +4,8 @@ A config dataclass declares each field's flag in the field's metadata (``flag_me
 name, help, and what argparse needs beyond the type and the default. ``add_field_flags`` adds
 one flag per such field, with the field's default, so our pretrain script and the Megatron-LM
 patches get the same flags with the same defaults from one source; ``field_values`` reads them
-back, and ``field_flag`` names the flag of a field, so an error about a field can name its flag.
+back (``config_flags`` the other way: a config as the flags that make it), and ``field_flag``
+names the flag of a field, so an error about a field can name its flag.
 A field's argparse destination is its flag without dashes (``--no-higgs-pin-memory`` stores
 ``higgs_pin_memory``).
 """
@@ -48,3 +49,26 @@ def field_values(args: argparse.Namespace, config_class: type) -> dict[str, Any]
 def field_flag(config_class: type, field_name: str) -> str:
     """The command-line flag of a field of ``config_class``."""
     return next(f.metadata["flag"] for f in flag_fields(config_class) if f.name == field_name)
+
+
+def config_flags(config: Any) -> list[str]:
+    """The flags that make ``config`` (a dataclass instance of flagged fields) from a parser's
+    defaults: each flagged field whose value differs from its flag's default (a ``derived``
+    field's default is None: its value is always written)."""
+    flags: list[str] = []
+    for config_field in flag_fields(type(config)):
+        meta, value = config_field.metadata, getattr(config, config_field.name)
+        default = None if config_field.default is MISSING or meta.get("derived") else config_field.default
+        if value == default:
+            continue
+        flag, action = meta["flag"], meta["argparse"].get("action")
+        if action is argparse.BooleanOptionalAction:
+            flags.append(flag if value else f"--no-{flag.removeprefix('--')}")
+        elif action in ("store_true", "store_false"):
+            flags.append(flag)  # differs from the default: the switch is given
+        elif action == "append":
+            for item in value:
+                flags += [flag, str(item)]
+        else:
+            flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return flags

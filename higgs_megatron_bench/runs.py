@@ -13,8 +13,10 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
+from higgs_megatron.config import HiggsConfig
+from higgs_megatron.field_flags import config_flags
 from higgs_megatron.logs import get_logger, setup_logging
 
 from .ranks import REPO_ROOT as REPO  # one root for the kit
@@ -22,42 +24,46 @@ from .ranks import REPO_ROOT as REPO  # one root for the kit
 
 log = get_logger(__name__)
 
-def higgs_flags(density: float, train_iters: int, dense_iters: int | None = None,
-                warmup_iters: int | None = None) -> list[str]:
-    """``--use-higgs`` at ``density``, compressing on one host (``--higgs-sync sparse``), with the
-    schedule that converges best in ``scripts/bench_convergence.py``: dense for the first
-    quarter of the run, Adam's second moment frozen as that ends, then density from 1 to the
-    target over the next third."""
+
+def higgs_config(density: float, train_iters: int, dense_iters: int | None = None,
+                 warmup_iters: int | None = None) -> HiggsConfig:
+    """At ``density``, compressing on one host (``sparse``), with the schedule that converges best
+    in ``scripts/bench_convergence.py``: dense for the first quarter of the run, Adam's second
+    moment frozen as that ends, then density from 1 to the target over the next third."""
     dense_iters = train_iters // 4 if dense_iters is None else dense_iters
     warmup_iters = train_iters // 3 if warmup_iters is None else warmup_iters
-    flags = ["--use-higgs", "--higgs-compression-ratio", f"{density:g}", "--higgs-sync", "sparse",
-             "--higgs-payload", "wide", "--higgs-dense-iters", str(dense_iters),
-             "--higgs-density-warmup-iters", str(warmup_iters)]
-    return flags + (["--higgs-freeze-adam-variance"] if dense_iters else [])
+    return HiggsConfig.for_run(train_iters, dense_iters, compression_ratio=density, sync="sparse", payload="wide",
+                               density_warmup_iters=warmup_iters, freeze_adam_variance=bool(dense_iters))
 
 
-def lean_flags(train_iters: int, density: float = 0.25, payload: str = "int4", dense_wire: str = "int8",
-               dense_iters: int | None = None, ramp_iters: int | None = None, freeze_variance: bool = False,
-               refresh_iters: int = 20, sync: str = "sparse") -> list[str]:
-    """``--use-higgs`` with the schedule for fewest bytes over a run: a dense stage as long as
-    the pretrain script's learning-rate warm-up (a tenth of the run) sent as ``dense_wire``
-    ('int8' or 'bf16'), a ramp over a twentieth of the run to ``density``, the ``payload``
-    format, and Adam as it is (at a density of a quarter error feedback's bursts are a few
-    steps long, and a frozen second moment cost more loss than they do). ``freeze_variance``
-    freezes it after the dense stage instead, refreshed for ``refresh_iters`` at 2, 4, 8...
-    times the dense stage (0: never). ``sync``: the compressed form, ``sparse`` (all-gathered)
-    or ``agreed`` (summed by an all-to-all, ``compress.agreed``)."""
+def lean_config(train_iters: int, density: float = 0.25, payload: str = "int4", dense_wire: str = "int8",
+                dense_iters: int | None = None, ramp_iters: int | None = None, freeze_variance: bool = False,
+                refresh_iters: int = 20, sync: str = "sparse") -> HiggsConfig:
+    """The schedule for fewest bytes over a run: what ``--use-higgs`` derives by itself
+    (``HiggsConfig.for_run``: a dense stage as long as the pretrain script's learning-rate
+    warm-up, a tenth of the run, a ramp over a twentieth to ``density``, the ``payload``
+    format, Adam as it is), its dense stage sent as ``dense_wire`` ('int8' or 'bf16'), and
+    ``sync`` the compressed form, ``sparse`` (all-gathered) or ``agreed``/``sharded`` (wire bytes
+    per rank that do not grow with P). ``freeze_variance`` freezes Adam's second moment after
+    the dense stage instead, refreshed for ``refresh_iters`` at 2, 4, 8... times the dense
+    stage (0: never)."""
     dense_iters = train_iters // 10 if dense_iters is None else dense_iters
-    ramp_iters = train_iters // 20 if ramp_iters is None else ramp_iters
-    flags = ["--use-higgs", "--higgs-compression-ratio", f"{density:g}", "--higgs-sync", sync,
-             "--higgs-payload", payload, "--higgs-dense-iters", str(dense_iters),
-             "--higgs-density-warmup-iters", str(ramp_iters)]
-    flags.append(f"--higgs-dense-{dense_wire}" if dense_iters else "--no-higgs-dense-int8")
-    if dense_iters and freeze_variance:
-        flags.append("--higgs-freeze-adam-variance")
-        if refresh_iters:
-            flags += ["--higgs-variance-refresh-iters", str(min(dense_iters, refresh_iters))]
-    return flags
+    freeze = bool(dense_iters and freeze_variance)
+    return HiggsConfig.for_run(
+        train_iters, dense_iters, compression_ratio=density, payload=payload, sync=sync,
+        density_warmup_iters=train_iters // 20 if ramp_iters is None else ramp_iters,
+        dense_int8=bool(dense_iters) and dense_wire == "int8", dense_bf16=bool(dense_iters) and dense_wire == "bf16",
+        freeze_adam_variance=freeze, variance_refresh_iters=min(dense_iters, refresh_iters) if freeze else 0)
+
+
+def higgs_flags(*args: Any, **kwargs: Any) -> list[str]:
+    """``higgs_config``'s schedule as the pretrain script's flags."""
+    return ["--use-higgs", *config_flags(higgs_config(*args, **kwargs))]
+
+
+def lean_flags(*args: Any, **kwargs: Any) -> list[str]:
+    """``lean_config``'s schedule as the pretrain script's flags."""
+    return ["--use-higgs", *config_flags(lean_config(*args, **kwargs))]
 
 
 def run_pretrain(flags: Sequence[str], log_json: Path, nproc: int, quiet: bool = False,

@@ -1,8 +1,11 @@
 """The typed run config: an error names its field and flag, and both front-ends take the
-same flags, defaults and rules from it."""
-
+same flags, defaults and rules from it; a preset is a config."""
 
 import pytest
+
+from higgs_megatron.field_flags import config_flags
+from higgs_megatron.training.arguments import parse_args
+from higgs_megatron_bench.runs import higgs_config, lean_config
 
 
 def test_a_config_error_names_its_field_and_crosses_processes():
@@ -66,3 +69,14 @@ def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclass
         with pytest.raises(UsageError) as info:  # what a flag needs of another: one table, both front-ends
             check_rules(parser.parse_args(["--use-higgs", "--auto-resume"]), front_end)
         assert info.value.message == "--auto-resume: needs --save DIR"
+
+
+@pytest.mark.parametrize("preset", [lambda: lean_config(300), lambda: lean_config(300, dense_wire="bf16", sync="sharded",
+                                                                                      freeze_variance=True),
+                                    lambda: lean_config(300, dense_iters=0), lambda: higgs_config(0.01, 300)])
+def test_a_preset_is_a_config_and_its_flags_make_that_config(preset):
+    """The benchmarks' schedules are HiggsConfigs (``HiggsConfig.for_run`` with fields given);
+    their flags are rendered from the config (``field_flags.config_flags``) and parse back to it."""
+    config = preset()
+    flags = config_flags(config)
+    assert parse_args(["--train-iters", "300", "--use-higgs", *flags], world_size=2).run_config.compression == config
