@@ -63,8 +63,9 @@ class HiggsConfig:
     dense_iters: int = field(default=0, metadata=_flag(
         "--higgs-dense-iters", "sync dense for the first N iterations, then compress (default: the learning-rate "
         "warm-up)", derived=True, type=int))
-    """Sync dense, through Megatron's own collective, for the first N steps; compress after
-    them. Error feedback delays gradient mass; a dense start lets the model and Adam's moments
+    """Sync dense for the first N steps (Megatron's own collective, or every coordinate in int8
+    through the bucket's form with ``dense_int8``, the default with a blocked payload); compress
+    after them. Error feedback delays gradient mass; a dense start lets the model and Adam's moments
     settle before the delays begin (1-bit Adam's warm-up stage)."""
 
     freeze_adam_variance: bool = field(default=False, metadata=_flag(

@@ -150,7 +150,9 @@ def residual_objects(model: list, loading: bool = False) -> list[ShardedObject]:
 
 
 def sharded_training_state(training: TrainingState, is_loading: bool = False, per_rank: bool = True) -> dict:
-    """The sharded state dict of ``training``; ``per_rank=False`` leaves out rng and residuals."""
+    """The sharded state dict of ``training``; ``per_rank=False`` leaves out rng and residuals.
+    It reads Megatron's optimizer itself, beneath any wrapper: optimizer state offloaded by the
+    memory manager must be back first (a save's ``Runtime.checkpoint_phase`` brings it)."""
     chunk = training.model[0].module
     model_sd = chunk.sharded_state_dict()
     if not is_loading:

@@ -17,9 +17,10 @@ two copies but needs a host optimizer and grads copied out; on a machine without
 both are the same host memory, so the choice is made for generality and exactness (the
 step is the optimizer's own, bitwise; see the README for what is and is not measured).
 
-Checkpoints read the state: ``sharded_state_dict`` and ``state_dict`` bring everything back
-first, and the trainer calls ``settle`` once the save has its copy, which sends it away
-again; ``load_state_dict`` loads into resident tensors. A tier that fails part-way through
+Checkpoints read the state: the runtime brings everything back as a save starts
+(``bring_all``, from ``Runtime.checkpoint_phase``: a save may read Megatron's optimizer
+beneath this one), ``sharded_state_dict`` and ``state_dict`` do too, and the runtime calls
+``settle`` once the save has its copy, which sends it away again; ``load_state_dict`` loads into resident tensors. A tier that fails part-way through
 sending a unit (a full disk) gets back what it took; the unit stays, and an event says so.
 ``close`` brings everything back and removes the tier's files.
 """
@@ -196,7 +197,7 @@ class MemoryManager:
 
     def _resident_then(self, name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            self._bring_all()
+            self.bring_all()
             return self._call_optimizer(name, *args, **kwargs)
 
         return call
@@ -212,7 +213,7 @@ class MemoryManager:
         sizes = [unit.nbytes for unit in self.units]
         decision = decide(reading.used_bytes, reading.total_bytes, sizes, self.away, self.config.threshold,
                           self.config.hysteresis)
-        self._bring_all()
+        self.bring_all()
         result = self._call_optimizer("step")
         self.away = decision.away
         for index in sorted(self.away):
@@ -245,7 +246,7 @@ class MemoryManager:
         return sum(unit.nbytes for i, unit in enumerate(self.units) if i not in self.parked)
 
     def close(self) -> None:
-        self._bring_all()
+        self.bring_all()
         self.away = frozenset()
         self.tier.close()
         if self._attached:
@@ -284,7 +285,7 @@ class MemoryManager:
         for index in sorted(self.away):
             self._send(index)
 
-    def _bring_all(self) -> None:
+    def bring_all(self) -> None:
         for index in sorted(self.parked):
             for away, tensor in zip(self.parked[index], self.units[index].tensors):
                 self.tier.bring(away, tensor)

@@ -111,8 +111,11 @@ class Runtime:
         return self.resilience.alignments.count
 
     def checkpoint_phase(self, iteration: int) -> None:
-        """A save starts: the watchdog lets a long write be."""
+        """A save starts: the watchdog lets a long write be, and offloaded optimizer state comes
+        back for the save to read (``saved`` sends it away again)."""
         self.resilience.phase(iteration, "checkpoint")
+        if self.memory is not None:
+            self.memory.bring_all()
 
     def saved(self) -> None:
         """A save has what it needs of the state (an async save its host copy): the wall clock
@@ -121,13 +124,13 @@ class Runtime:
         if self.memory is not None:
             self.memory.settle()
 
-    def close(self) -> None:
+    def close(self, iteration: int | None = None) -> None:
         """Offloaded state back (the nvme tier's files removed), the watchdog stopped, every
-        rank's phase ``done``."""
+        rank's phase ``done`` at ``iteration`` (default: the last ``step`` ran)."""
         if self.memory is not None:
             self.memory.close()
             self.memory = None
-        self.resilience.close(self.iteration)
+        self.resilience.close(self.iteration if iteration is None else iteration)
         for handler in logging.getLogger().handlers:
             handler.flush()
 

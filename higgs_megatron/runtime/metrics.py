@@ -125,8 +125,14 @@ class LogWindow:
     def seconds_per_iteration(self) -> float:
         return (time.perf_counter() - self.started - self.excluded) / max(1, self.iterations)
 
-    def per_rank_per_step(self) -> list[float]:
-        """A collective over the default group: every rank logs at the same iterations."""
+    def reduced(self) -> torch.Tensor:
+        """The window's traffic per rank per step, averaged over all ranks, on the collectives'
+        device (bytes sent, dense bytes, compression seconds, wire bytes, dense wire bytes). A
+        collective over the default group: every rank logs at the same iterations."""
         totals = torch.tensor(self.totals, dtype=torch.float64, device=collective_device())
         dist.all_reduce(totals)
-        return (totals / (dist.get_world_size() * max(1, self.iterations))).tolist()
+        return totals / (dist.get_world_size() * max(1, self.iterations))
+
+    def per_rank_per_step(self) -> list[float]:
+        """``reduced``, read on the host (at a log line)."""
+        return self.reduced().tolist()

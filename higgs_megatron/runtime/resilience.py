@@ -82,9 +82,9 @@ class Resilience:
     def watch_grad_sync(self, config, iteration) -> None:
         """Publish phase ``grad-sync`` when Megatron starts waiting for the sync, so that the
         watchdog tells the ranks that wait from the rank they wait for."""
-        if self.board is None:
-            return
         inner = config.finalize_model_grads_func
+        if self.board is None or inner is None:  # nothing to watch, or no finalize step (a harness's own loop)
+            return
 
         def finalize(*args, **kwargs):
             self.phase(iteration(), "grad-sync")

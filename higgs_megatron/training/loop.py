@@ -99,6 +99,38 @@ class Trainer:
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         self.exits = ExitConditions(args)  # the run's clock starts here; the signal is caught from now on
 
+        self._build_data()
+
+        self.config = transformer_config(args)
+        set_seeds(args.seed)
+        if run.compression is not None:
+            self.model = build_model(args, self.config, HiggsDDP, higgs_config=run.compression)
+        else:
+            self.model = build_model(args, self.config)
+        self.iteration = 0
+        self.runtime = attach(self.model, build_optimizer(args, self.model), run, self.log)
+        self.optimizer = self.runtime.optimizer
+        # Megatron's optimizer's param groups, which HiggsOptimizer only hands through
+        self.scheduler = build_scheduler(args, getattr(self.optimizer, "inner", self.optimizer))
+        self._wire_megatron_hooks()
+
+        self._log_setup()
+        self._log_sync_plan()
+        self.consumed_samples = 0
+        self.checkpointer = AsyncCheckpointer() if run.checkpoint.async_checkpoint else None
+        if run.checkpoint.load:
+            self._load()
+        self._saved_at = self.iteration
+        self.failed_saves = 0  # in a row
+
+    def writes_logs(self) -> bool:
+        """Whether this process writes the log lines and records: the last rank (the last
+        pipeline stage's, which holds the loss)."""
+        return self.rank == dist.get_world_size() - 1
+
+    def _build_data(self) -> None:
+        """The corpus, the train and validation datasets, and the length buckets if asked for."""
+        args = self.args
         started = time.monotonic()
         corpus = build_corpus(args.data_path, args.data_cache_path,
                               progress=lambda line: log.info(f"[rank {self.rank}] {line}"))
@@ -129,19 +161,9 @@ class Trainer:
                            f"bucket over {args.train_iters} iterations {{{shares}}}; "
                            f"{summary['padding']:.1%} of trained positions are padding", **summary)
 
-        self.config = transformer_config(args)
-        set_seeds(args.seed)
-        if run.compression is not None:
-            self.model = build_model(args, self.config, HiggsDDP, higgs_config=run.compression)
-        else:
-            self.model = build_model(args, self.config)
-        self.iteration = 0
-        self.runtime = attach(self.model, build_optimizer(args, self.model), run, self.log)
-        self.optimizer = self.runtime.optimizer
-        # Megatron's optimizer's param groups, which HiggsOptimizer only hands through
-        self.scheduler = build_scheduler(args, getattr(self.optimizer, "inner", self.optimizer))
-        self._wire_megatron_hooks()
-
+    def _log_setup(self) -> None:
+        """The model's size and the run's layout, once (event ``setup_done``)."""
+        args, run = self.args, self.run
         params = torch.tensor([num_parameters(self.model)], dtype=torch.long, device=collective_device())
         if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_context_parallel_rank() != 0:
             params.zero_()
@@ -157,18 +179,6 @@ class Trainer:
             data_parallel_size=self.dp_size,
             higgs=run.compression.to_dict() if run.compression else None,
         )
-        self._log_sync_plan()
-        self.consumed_samples = 0
-        self.checkpointer = AsyncCheckpointer() if run.checkpoint.async_checkpoint else None
-        if run.checkpoint.load:
-            self._load()
-        self._saved_at = self.iteration
-        self.failed_saves = 0  # in a row
-
-    def writes_logs(self) -> bool:
-        """Whether this process writes the log lines and records: the last rank (the last
-        pipeline stage's, which holds the loss)."""
-        return self.rank == dist.get_world_size() - 1
 
     def _log_sync_plan(self) -> None:
         """What --higgs-sync auto measured and chose, per bucket (the logging rank's stage)."""
@@ -457,7 +467,7 @@ class Trainer:
 
     def close(self) -> None:
         self.exits.close()
-        self.runtime.close()
+        self.runtime.close(self.iteration)
         self.log.close()
 
 

@@ -179,7 +179,7 @@ def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
     ``schedule_async_request`` returns, the persistent worker through its joined preload
     queue): ``Runtime.saved`` (the wall clock restarts, offloaded state leaves again)."""
     if _runtime is not None:
-        _runtime.checkpoint_phase(getattr(megatron_training.get_args(), "curr_iteration", 0))
+        _runtime.checkpoint_phase(_runtime.iteration)  # the iteration just run (Megatron-LM's counter is past it)
     result = save(*args, **kwargs)
     if _runtime is not None:
         _runtime.saved()
@@ -197,15 +197,18 @@ def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *a
     else:
         result = train_step(forward_step_func, data_iterator, model, *args, **kwargs)
     # One all-reduce per step, every rank (``LogWindow``, as our loop's at its log lines): the
-    # mean over the ranks of what Megatron-LM averages over its log interval and logs.
+    # mean over the ranks of what Megatron-LM averages over its log interval and logs, left on
+    # the device (Megatron-LM reads its loss dict on the host only at its log interval).
     window = LogWindow()
     window.add(sync_traffic(model))
-    totals = window.per_rank_per_step()
+    totals = window.reduced()
     loss_dict = result[0]
     if loss_dict:  # the last pipeline stage logs
         device = next(iter(loss_dict.values())).device
-        for (key, scale), value in zip(_TRAFFIC_KEYS, totals):
-            loss_dict[key] = torch.tensor(value * scale, device=device)
+        scales = torch.tensor([scale for _, scale in _TRAFFIC_KEYS], dtype=totals.dtype, device=totals.device)
+        scaled = (totals * scales).float().to(device)
+        for index, (key, _) in enumerate(_TRAFFIC_KEYS):
+            loss_dict[key] = scaled[index]
         loss_dict["higgs density"] = torch.tensor(window.density, device=device)
     return result
 

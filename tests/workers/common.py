@@ -225,6 +225,8 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
                 trainer.save = lambda **kw: (save(**kw), resident_after_saves.append(trainer.runtime.memory.resident_bytes()))
             state_after_load = tensor_pieces(sharded_training_state(trainer.training_state())) if args.load else None
             result = trainer.train()
+            if trainer.runtime.memory is not None:
+                trainer.runtime.memory.bring_all()  # as a save does (Runtime.checkpoint_phase), to read it
             out = {"start": start, "losses": result.losses, "after_load": state_after_load,
                    "resident_after_saves": resident_after_saves,
                    "final": tensor_pieces(sharded_training_state(trainer.training_state())), "coords": coordinates()}
