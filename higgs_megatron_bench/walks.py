@@ -17,7 +17,9 @@ of Megatron's CUDA-only calls are installed on a machine without CUDA only.
 The walks (our pretrain script, two ranks, one model chunk):
 
 * ``gradient``: from the first bucket's ``start_grad_sync`` (Megatron's hook) to the end of
-  the optimizer's ``step``;
+  the optimizer's ``step``; and its two legs, as Megatron calls them: ``gradient: launch``
+  (``start_grad_sync``, at the hook) and ``gradient: finish`` (from ``finish_grad_sync``, as
+  the step begins, to the end of the step);
 * ``save``: the loop's call of ``save_checkpoint``, synchronous, to ``latest``;
 * ``load``: the loop's call of ``load_checkpoint`` of that save, in a new ``Trainer``.
 
@@ -128,19 +130,33 @@ def _walk_worker(argv: list[str], directory: str) -> dict[str, list[str]]:
     argv = [*argv, "--save", directory]
     args = parse_args(argv)
     walks = {name: Tracer(LOOP) for name in ("gradient", "save", "load")}
-    gradient = walks["gradient"]
-    originals = (HiggsBucketGroup.start_grad_sync, HiggsOptimizer.step, loop.save_checkpoint, loop.load_checkpoint)
+    legs = {"gradient: launch": Tracer(), "gradient: finish": Tracer()}  # the two calls Megatron makes into ddp.py
+    gradient, launch, finish = walks["gradient"], legs["gradient: launch"], legs["gradient: finish"]
+    originals = (HiggsBucketGroup.start_grad_sync, HiggsOptimizer.step, loop.save_checkpoint, loop.load_checkpoint,
+                 HiggsBucketGroup.finish_grad_sync)
 
     def start_grad_sync(group: Any, *a: Any, **k: Any) -> Any:
-        if gradient.walk.entries == [LOOP]:  # the first bucket's hook, in the traced iteration
-            gradient.active = True
-        return originals[0](group, *a, **k)
+        first = gradient.walk.entries == [LOOP]  # the first bucket's hook, in the traced iteration
+        gradient.active = gradient.active or first
+        launch.active = first
+        try:
+            return originals[0](group, *a, **k)
+        finally:
+            launch.active = False
+
+    def finish_grad_sync(group: Any, *a: Any, **k: Any) -> Any:
+        finish.active = gradient.active
+        return originals[4](group, *a, **k)
 
     def step(optimizer: Any) -> Any:
         try:
             return originals[1](optimizer)
         finally:
-            gradient.active = False
+            gradient.active = finish.active = False
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        for tracer in (gradient, launch, finish):
+            tracer(frame, event, arg)
 
     with training_environment(args):
         trainer = loop.Trainer(args)
@@ -148,11 +164,12 @@ def _walk_worker(argv: list[str], directory: str) -> dict[str, list[str]]:
             trainer.train_step()
             trainer.iteration += 1
         HiggsBucketGroup.start_grad_sync, HiggsOptimizer.step = start_grad_sync, step
+        HiggsBucketGroup.finish_grad_sync = finish_grad_sync
         loop.save_checkpoint = _traced(walks["save"], loop.save_checkpoint)
         loop.load_checkpoint = _traced(walks["load"], loop.load_checkpoint)
         try:
             previous = sys.getprofile()
-            sys.setprofile(gradient)
+            sys.setprofile(profile)
             try:
                 trainer.train_step()
             finally:
@@ -163,8 +180,8 @@ def _walk_worker(argv: list[str], directory: str) -> dict[str, list[str]]:
             loop.Trainer(parse_args([*argv, "--load", directory])).close()
         finally:
             (HiggsBucketGroup.start_grad_sync, HiggsOptimizer.step, loop.save_checkpoint,
-             loop.load_checkpoint) = originals
-    return {name: tracer.walk.entries for name, tracer in walks.items()}
+             loop.load_checkpoint, HiggsBucketGroup.finish_grad_sync) = originals
+    return {name: tracer.walk.entries for name, tracer in {**walks, **legs}.items()}
 
 
 def measure_walks(argv: list[str], directory: str, timeout: float = 300.0) -> dict[str, Walk]:
