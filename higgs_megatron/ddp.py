@@ -368,14 +368,16 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, force_all_reduce=bool(force_all_reduce),
             sums=[] if shared.check_nonfinite else None, comm=shared.comm, group=self._communication_group,
             selector=shared.selector, timer=shared.compress_timer, residuals=self.higgs_residuals,
-            scores=self.higgs_scores, key=lambda idx: (self.higgs_index, idx), megatron=self._megatron_collective,
+            scores=self.higgs_scores, group_index=self.higgs_index, megatron=self._megatron_collective,
             bounded=shared.sync_timeout is not None, nodes=shared.nodes, wait=shared.wait,
             shard=self.intra_distributed_optimizer_instance_rank if distributed_optimizer else None)
         launch.stats.dense_bytes, launch.stats.dense_wire_bytes = self.higgs_dense_traffic
         for idx, bucket in enumerate(self.buckets):
             path, step_density = self.higgs_buckets[idx].step_path(density, dense, launch.force_all_reduce,
                                                                     shared.costs)
-            launch.add(shared.launch(lambda: path.launch(launch, idx, bucket.grad_data, step_density)))
+            pending = shared.launch(lambda: path.launch(launch, idx, bucket.grad_data, step_density))
+            if pending is not None:  # None: nothing to finish, or its launch was skipped
+                launch.pending.append(pending)
         if launch.sums is not None:
             self.higgs_nonfinite = torch.isfinite(torch.stack(launch.sums)).all().logical_not()
         self.higgs_steps += 1

@@ -64,19 +64,18 @@ class StepLaunch:
     timer: DeviceTimer  # the compression's time
     residuals: list[ResidualBuffer | None]
     scores: list[ScoreBuffer | None]
-    key: Callable[[int], object]  # bucket idx -> the selector's key
+    group_index: int  # the bucket group's index: with a bucket's, the selector's key (``key``)
     megatron: Callable[[int, torch.Tensor, "StepLaunch"], Any]  # Megatron's own collective for bucket idx
     bounded: bool = False  # waits are bounded (--higgs-step-timeout): every collective gets a work
     shard: int | None = None  # with the distributed optimizer: this rank's shard of each bucket
     nodes: NodeGroups | None = None  # the hierarchical form's groups
     wait: Callable[[Any], None] | None = None  # how a collective of this step is waited for
     dense_works: list[Any] = field(default_factory=list)  # Megatron's collectives' works
-    pending: list[Any] = field(default_factory=list)  # the other paths' exchanges in flight
+    pending: list[Any] = field(default_factory=list)  # the other paths' exchanges in flight (the bucket group adds them)
 
-    def add(self, pending: Any) -> None:
-        """A path's exchange in flight (None: nothing to finish, or its launch was skipped)."""
-        if pending is not None:
-            self.pending.append(pending)
+    def key(self, idx: int) -> tuple[int, int]:
+        """The selector's key of bucket ``idx`` (a sampled selector draws per key)."""
+        return self.group_index, idx
 
     def check(self, sent: torch.Tensor) -> None:
         """The non-finite check, when it is on: one summing pass over what a bucket sends (the
