@@ -70,5 +70,5 @@ def config_flags(config: Any) -> list[str]:
             for item in value:
                 flags += [flag, str(item)]
         else:
-            flags += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+            flags += [flag, repr(value) if isinstance(value, float) else str(value)]  # repr: every digit
     return flags

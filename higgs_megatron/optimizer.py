@@ -139,7 +139,7 @@ class HiggsOptimizer(MegatronOptimizer):
         state = self.inner.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         if is_loading and self.skip_residuals_on_load:
             return state
-        state["higgs_residuals"] = residual_objects(self.model_chunks)
+        state["higgs_residuals"] = residual_objects(self.model_chunks, loading=is_loading)  # a load fills them
         return state
 
     def load_higgs_residuals(self, loaded: list) -> None:

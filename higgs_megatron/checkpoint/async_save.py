@@ -51,7 +51,7 @@ from ..device import HostCopy, request_event
 from .manifest import CheckpointError
 from .save import (PendingCheckpoint, SaveResult, begin, commit, common_files, crc32_skipped, first_line,
                    hash_files, pending_checkpoint, shard_files, thread_results_queue)
-from .state import TrainingState, shard_records, sharded_training_state
+from .state import TrainingState, saved_state
 
 
 class _ThreadCaller(AsyncCaller):
@@ -142,8 +142,7 @@ class AsyncCheckpointer:
         if self.pending is not None:
             raise RuntimeError("a checkpoint save is in flight: wait() for it before starting the next")
         snapshot = begin(pending_checkpoint(training, save_dir, keep_last))
-        state = sharded_training_state(training)
-        shards = shard_records(state)
+        state, shards = saved_state(training)
         live = {v.data.data_ptr() for v in nested_values(state)
                 if isinstance(v, ShardedBase) and isinstance(getattr(v, "data", None), torch.Tensor)}
         with thread_results_queue():  # this save's own: a failed save leaves nothing for the next

@@ -108,27 +108,26 @@ class LogWindow:
         self.started = time.perf_counter()
         self.excluded = 0.0  # validation and checkpoint time inside the window
         self.iterations = 0
-        # bytes sent, dense bytes, compression s, wire bytes, dense wire bytes: on the host (a
-        # device tensor is made only at log lines)
-        self.totals = [0.0] * 5
-        self.density = 1.0
+        # bytes sent, dense bytes, compression s, wire bytes, dense wire bytes, density: on the
+        # host (a device tensor is made only when reduced)
+        self.totals = [0.0] * 6
         self.tokens = 0
 
     def add(self, stats: SyncStats, tokens: int = 0) -> None:
         self.iterations += 1
         self.tokens += tokens
         values = (stats.bytes_sent, stats.dense_bytes, stats.compress_seconds, stats.wire_bytes,
-                  stats.dense_wire_bytes)
+                  stats.dense_wire_bytes, stats.density)
         self.totals = [total + value for total, value in zip(self.totals, values)]
-        self.density = stats.density
 
     def seconds_per_iteration(self) -> float:
         return (time.perf_counter() - self.started - self.excluded) / max(1, self.iterations)
 
     def reduced(self) -> torch.Tensor:
         """The window's traffic per rank per step, averaged over all ranks, on the collectives'
-        device (bytes sent, dense bytes, compression seconds, wire bytes, dense wire bytes). A
-        collective over the default group: every rank logs at the same iterations."""
+        device (bytes sent, dense bytes, compression seconds, wire bytes, dense wire bytes, and
+        the density in force). One host-to-device copy and one collective over the default
+        group: every rank logs at the same iterations."""
         totals = torch.tensor(self.totals, dtype=torch.float64, device=collective_device())
         dist.all_reduce(totals)
         return totals / (dist.get_world_size() * max(1, self.iterations))

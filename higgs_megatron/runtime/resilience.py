@@ -90,7 +90,6 @@ class Resilience:
             self.phase(iteration(), "grad-sync")
             return inner(*args, **kwargs)
 
-        finalize.higgs_watched = True
         config.finalize_model_grads_func = finalize
 
     def _stalled(self, message: str, stalled: list[dict]) -> None:

@@ -89,7 +89,7 @@ RULES: tuple[Rule, ...] = (
          word="only with"),
     Rule("--higgs-freeze-adam-variance", "--optimizer adam",
          _flag("--higgs-freeze-adam-variance", lambda a: a.higgs_freeze_adam_variance),
-         lambda a: a.optimizer == "adam", "it freezes Adam's second moment", front_ends=(PRETRAIN,)),
+         lambda a: a.optimizer == "adam", "it freezes Adam's second moment"),
     Rule("--num-distributed-optimizer-instances N > 1", "--use-distributed-optimizer",
          _flag("--num-distributed-optimizer-instances", lambda a: a.num_distributed_optimizer_instances > 1),
          lambda a: a.use_distributed_optimizer, front_ends=(PRETRAIN,)),

@@ -163,14 +163,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 def _check_run_config(args: argparse.Namespace, world_size: int) -> None:
     """Our flags (compression, checkpoints, stability, memory): the rules of what needs what,
     then the typed config; the exit flags; and a --load directory that must exist."""
-    args.run_config = run = run_config_from_args(args, PRETRAIN, world_size, args.train_iters, args.lr_warmup_iters)
+    args.run_config = run_config_from_args(args, PRETRAIN, world_size, args.train_iters, args.lr_warmup_iters)
     try:
         check_exit_args(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    resuming_own_saves = args.auto_resume and not args.load  # --auto-resume: its --save, maybe empty yet
-    if run.checkpoint.load is not None and not os.path.isdir(run.checkpoint.load) and not resuming_own_saves:
-        raise UsageError(f"--load {run.checkpoint.load}: no such directory")
+    if args.load is not None and not os.path.isdir(args.load):  # --auto-resume's own --save may not exist yet
+        raise UsageError(f"--load {args.load}: no such directory")
 
 
 def _check_optimizer(args: argparse.Namespace, world_size: int) -> None:

@@ -393,7 +393,7 @@ class Trainer:
                 self._check_replicas()
             if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                 elapsed = window.seconds_per_iteration()
-                sent, dense, compress_seconds, wire, dense_wire = window.per_rank_per_step()
+                sent, dense, compress_seconds, wire, dense_wire, density = window.per_rank_per_step()
                 fields = {
                     "consumed samples": self.consumed_samples,
                     "elapsed time per iteration (ms)": elapsed * 1000.0,
@@ -410,7 +410,7 @@ class Trainer:
                 fields["wire bytes"] = int(wire)
                 fields["dense wire bytes"] = int(dense_wire)
                 if self.run.compression is not None:
-                    fields["density"] = window.density
+                    fields["density"] = density  # the window's mean
                     fields["compression time (ms)"] = compress_seconds * 1000.0
                 fields["number of skipped iterations"] = skipped
                 self.log.iteration(self.iteration, args.train_iters, fields)

@@ -187,7 +187,7 @@ def _save_then_settle(save: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 _TRAFFIC_KEYS = (("higgs MB sent", 1e-6), ("higgs MB dense", 1e-6), ("higgs compress ms", 1e3),
-                 ("higgs MB wire", 1e-6), ("higgs MB dense wire", 1e-6))  # LogWindow.per_rank_per_step's order
+                 ("higgs MB wire", 1e-6), ("higgs MB dense wire", 1e-6), ("higgs density", 1.0))  # LogWindow.reduced's order
 
 
 def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *args: Any, **kwargs: Any) -> tuple:
@@ -204,12 +204,9 @@ def _train_step(forward_step_func: Callable, data_iterator: Any, model: list, *a
     totals = window.reduced()
     loss_dict = result[0]
     if loss_dict:  # the last pipeline stage logs
-        device = next(iter(loss_dict.values())).device
-        scales = torch.tensor([scale for _, scale in _TRAFFIC_KEYS], dtype=totals.dtype, device=totals.device)
-        scaled = (totals * scales).float().to(device)
-        for index, (key, _) in enumerate(_TRAFFIC_KEYS):
-            loss_dict[key] = scaled[index]
-        loss_dict["higgs density"] = torch.tensor(window.density, device=device)
+        totals = totals.float().to(next(iter(loss_dict.values())).device)
+        for index, (key, scale) in enumerate(_TRAFFIC_KEYS):
+            loss_dict[key] = totals[index] * scale
     return result
 
 

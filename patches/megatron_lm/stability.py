@@ -26,6 +26,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
+from megatron.training import get_args
+from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
 from higgs_megatron.callbacks import Callback, scalars
 from higgs_megatron.runtime.attach import Runtime
 
@@ -95,8 +98,6 @@ class StepRunner:
 
     def __call__(self, original: Callable, forward_step_func: Callable, data_iterator: Any, model: list,
                  optimizer: Any, *args: Any, **kwargs: Any) -> tuple:
-        from megatron.training import get_args
-
         replay = _Replay()
 
         def attempt(fault: Any) -> tuple:
@@ -115,8 +116,6 @@ class MegatronLMWriters(Callback):
     def on_event(self, name: str, fields: dict[str, Any]) -> None:
         if "iteration" not in fields:
             return
-        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
-
         values = {f"higgs/{name}/{key}": value for key, value in scalars(fields).items()}
         tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
         for key, value in values.items():

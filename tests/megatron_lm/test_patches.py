@@ -97,6 +97,8 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--ckpt-step", "0", "--load", "/x"], r"--ckpt-step 0: expected an iteration, 1 or more"),
     (["--non-persistent-save-interval", "5"], r"--non-persistent-save-interval: .*not with --use-higgs"),
     (["--optimizer", "muon"], r"--optimizer muon"),
+    (["--higgs-dense-iters", "2", "--higgs-freeze-adam-variance", "--optimizer", "sgd"],
+     r"--higgs-freeze-adam-variance: needs --optimizer adam"),  # the rules table, as in our script
     (["--checkpoint-version", "3", "--load", "/x", "--ckpt-step", "4"], r"disagree"),
     (["--checkpoint-interval", "0", "--save", "/x"], r"--checkpoint-interval 0.0: expected a positive"),
     (["--checkpoint-interval", "nan", "--save", "/x"], r"--checkpoint-interval nan"),

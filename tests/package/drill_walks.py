@@ -25,6 +25,17 @@ def test_a_save_and_a_load_enter_each_file_once(walks, name):
     assert len(walk.files) <= MAX_FILES[name], walk.describe()
 
 
+# Not yet within the limit (8 files, none twice): held where it stands, so it only gets better.
+GRADIENT_NOW = {"gradient": (13, 5), "gradient: launch": (9, 2), "gradient: finish": (7, 3)}  # files, re-entered
+
+
 def test_the_gradient_walk_goes_from_the_hook_to_the_optimizer(walks):
     walk = walks["gradient"]
     assert walk.files[1] == "higgs_megatron/ddp.py" and "higgs_megatron/optimizer.py" in walk.files, walk.describe()
+
+
+@pytest.mark.parametrize("name", sorted(GRADIENT_NOW))
+def test_the_gradient_walk_gets_no_longer(walks, name):
+    files, reentered = GRADIENT_NOW[name]
+    walk = walks[name]
+    assert len(walk.files) <= files and len(walk.reentered) <= reentered, walk.describe()

@@ -73,7 +73,8 @@ def test_both_front_ends_take_their_config_flags_and_defaults_from_the_dataclass
 
 @pytest.mark.parametrize("preset", [lambda: lean_config(300), lambda: lean_config(300, dense_wire="bf16", sync="sharded",
                                                                                       freeze_variance=True),
-                                    lambda: lean_config(300, dense_iters=0), lambda: higgs_config(0.01, 300)])
+                                    lambda: lean_config(300, dense_iters=0), lambda: higgs_config(0.01, 300),
+                                    lambda: lean_config(300, density=1 / 3)])
 def test_a_preset_is_a_config_and_its_flags_make_that_config(preset):
     """The benchmarks' schedules are HiggsConfigs (``HiggsConfig.for_run`` with fields given);
     their flags are rendered from the config (``field_flags.config_flags``) and parse back to it."""
