@@ -210,30 +210,6 @@ class HiggsConfig:
         the same schedule for a loop of one's own as for the two pretrain scripts."""
         return cls(**derived_schedule(given, train_iters, lr_warmup_iters))
 
-    def refresh_window(self, step: int) -> bool:
-        """Whether ``step`` (0-based) is in a window of ``variance_refresh_iters``."""
-        if not self.variance_refresh_iters or step < 2 * self.dense_iters:
-            return False
-        start = 2 * self.dense_iters
-        while 2 * start <= step:
-            start *= 2
-        return step - start < self.variance_refresh_iters
-
-    def dense_stage(self, step: int) -> bool:
-        """Whether ``step`` (0-based) syncs dense: the dense stage (``dense_iters``), or a window of
-        ``variance_refresh_iters``."""
-        return step < self.dense_iters or self.refresh_window(step)
-
-    def density(self, step: int) -> float:
-        """The density in force at ``step`` (0-based): 1 in the dense stage, then from 1 to the
-        target over the warm-up."""
-        if self.dense_stage(step):
-            return 1.0
-        step -= self.dense_iters
-        if step >= self.density_warmup_iters:
-            return self.compression_ratio
-        return self.compression_ratio ** (step / self.density_warmup_iters)
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -17,11 +17,11 @@ Per bucket group, per step (once, on the accumulated gradient, never per micro-b
    *dense* (Megatron's own all-reduce, or reduce-scatter with the distributed optimizer; with
    ``--higgs-dense-bf16``, a compressed bucket's dense steps reduce a bf16 copy), *sparse*,
    *agreed*, *sharded* or *hierarchical*; with ``--higgs-dense-int8`` a compressed bucket's
-   dense steps go through its form at density 1. ``sync_plan.BucketPaths.step_path`` picks it;
+   dense steps go through its form at density 1. ``grad_paths.BucketPaths.step_path`` picks it;
    under ``sync="auto"`` from the path ``cost_model`` predicts fastest, with costs measured at
    construction (``reduce.link_probe``) and agreed by all DP ranks. The path depends only on
-   the config, those agreed costs, the bucket and the step's density, so every DP peer issues
-   the same collectives in the same order with the same sizes.
+   the config, those agreed costs, the bucket and the step's density (``grad_paths.DensitySchedule``),
+   so every DP peer issues the same collectives in the same order with the same sizes.
 3. With error feedback, ``acc = grad + residual`` on both paths; the residual left for the
    next step is staged, and commits when the next step starts unless the step is rolled
    back (``rollback_residuals``: every rank skipped it).
@@ -58,8 +58,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,17 +67,15 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
 from .compress.agreed import AgreedPlan, ScoreBuffer
-from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer
-from .compress.selection import Selector, make_selector
+from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, Selector, make_selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
 from .device import DeviceTimer
-from .grad_paths import StepLaunch
+from .grad_paths import DensitySchedule, StepLaunch
 from .reduce.cast_reduce import PendingCastReduce
 from .reduce.link_probe import measure_link_costs
 from .reduce.sparse_allreduce import PendingHierarchical, PendingSparseReduce, reduce_scatter
-from .reduce.wire import Collectives, dense_wire_bytes
-from .stability.regroup import peer_lost
+from .reduce.wire import Collectives, StepWaits, dense_wire_bytes
 from .sync_plan import NodeShape, choose_form, plan_bucket
 from .topology import NodeGroups, build_node_groups, instance_groups
 
@@ -156,13 +153,12 @@ class _Shared:
 
     config: HiggsConfig
     selector: Selector | None
+    schedule: DensitySchedule  # the config's: the density of each step
     stats: SyncStats = field(default_factory=SyncStats)
     trace: list[tuple[str, int]] | None = None
     check_nonfinite: bool = False
     compress_timer: DeviceTimer = field(default_factory=DeviceTimer)
-    sync_timeout: float | None = None  # seconds a wait for a sync may take before it is given up on
-    sync_failed: str | None = None  # why this step's sync is not to be trusted
-    abandoned: list[Any] = field(default_factory=list)  # works of this step given up on, not drained
+    waits: StepWaits = field(default_factory=StepWaits)  # how the step's collectives are waited for (bounded or not)
     nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical", or several optimizer instances
     costs: LinkCosts | None = None  # with sync="auto"
     instances: int = 1  # Megatron's num_distributed_optimizer_instances
@@ -177,71 +173,33 @@ class _Shared:
         stats.wire_bytes = self.comm.meter.take().wire
         return stats
 
-    def wait(self, work) -> None:
-        """Wait for one collective of this step's sync, as ``_GroupHandle`` says."""
-        if self.abandoned:  # this step's sync is given up: wait for nothing more
-            self.abandoned.append(work)
-            return
-        if self.sync_timeout is None:
-            work.wait()
-            return
-        try:
-            work.wait(timeout=timedelta(seconds=self.sync_timeout))
-        except RuntimeError as error:
-            if peer_lost(error):  # a peer process is gone: only a restart helps
-                raise
-            timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
-            self.sync_failed = (f"rank {dist.get_rank()}: gradient sync did not complete within "
-                                f"{self.sync_timeout:g}s" if timed_out else
-                                f"rank {dist.get_rank()}: gradient sync failed: {str(error).splitlines()[0][:200]}")
-            self.abandoned.append(work)
-
-    def launch(self, launch: Callable[[], Any]) -> Any:
-        """``launch()``; once this step's sync has been given up, a launch that fails (NCCL
-        refuses collectives on a communicator its timed-out wait aborted) is skipped: None."""
-        try:
-            return launch()
-        except RuntimeError:
-            if not self.abandoned:
-                raise
-            return None
-
 
 class _GroupHandle:
-    """What ``grad_reduce_handle`` holds: dense works and sparse gathers in flight.
+    """What ``grad_reduce_handle`` holds: dense works and the other paths' exchanges in flight.
 
-    What ``wait`` costs: without ``sync_timeout``, ``work.wait()`` on NCCL only makes the
-    current stream wait for the collective's end event (the host goes on: no host sync); on
-    gloo the host waits for the collective. With ``sync_timeout``, ``work.wait(timeout)``
-    makes the host wait on either backend, at most that long. A wait that runs out, or a
-    collective that fails, gives the step's sync up: the work is not drained (a rank that
-    never returns would hang this one for ever), and nothing more of this step's sync is
-    waited for, but every later collective of the step is still launched, so that every rank
-    issues the same collectives and each given-up one completes (gloo) or fails (NCCL's
-    aborted communicator) by the time every rank has voted. The step's decision drops the step
-    on every rank, which then rebuild the data-parallel groups (``stability.regroup``)."""
+    ``wait`` waits for them through the step's ``reduce.wire.StepWaits`` (what a wait costs,
+    and what a bounded one that runs out does, is said there) and writes each bucket's sum.
+    A given-up step's exchanges still issue every collective the other ranks will, and read
+    nothing; the step's decision then drops the step on every rank, which rebuild the
+    data-parallel groups (``stability.regroup``)."""
 
     def __init__(self, dense_works: list[Any],
                  sparse: list[PendingSparseReduce | PendingHierarchical | PendingCastReduce], average_over: int,
-                 on_done, shared: _Shared) -> None:
+                 on_done, waits: StepWaits) -> None:
         self.dense_works = dense_works
         self.sparse = sparse
         self.average_over = average_over
         self.on_done = on_done
-        self.shared = shared
+        self.waits = waits
 
     def wait(self) -> None:
         for work in self.dense_works:
             if work is not None:
-                self.shared.wait(work)
+                self.waits.wait(work)
         for pending in self.sparse:
-            pending.wait(self.shared.wait)
-            if self.shared.abandoned:  # nothing read; its collectives still go out (see above)
-                self.shared.launch(lambda: pending.give_up(self.shared.wait))
-            else:
-                pending.finish(self.shared.wait)
-                if self.average_over > 1:
-                    pending.target.div_(self.average_over)
+            pending.finish(self.waits)
+            if self.average_over > 1 and not self.waits.abandoned:
+                pending.target.div_(self.average_over)
         self.dense_works, self.sparse = [], []
         self.on_done()
 
@@ -358,32 +316,37 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 bucket.grad_data *= bucket.gradient_scaling_factor
         overlap = self.ddp_config.overlap_grad_reduce
         average = self.ddp_config.average_in_collective
-        density = shared.config.density(self.higgs_steps)
-        dense = force_all_reduce or shared.config.dense_stage(self.higgs_steps)
+        density = shared.schedule.density(self.higgs_steps)
+        dense = force_all_reduce or shared.schedule.dense_stage(self.higgs_steps)
         distributed_optimizer = self.ddp_config.use_distributed_optimizer
         launch = StepLaunch(
             stats=SyncStats(density=density if shared.selector is not None else 1.0),
             # bounded waits need a handle: every collective is launched asynchronously then
-            async_op=overlap or shared.sync_timeout is not None,
+            async_op=overlap or shared.waits.timeout is not None,
             reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, force_all_reduce=bool(force_all_reduce),
             sums=[] if shared.check_nonfinite else None, comm=shared.comm, group=self._communication_group,
             selector=shared.selector, timer=shared.compress_timer, residuals=self.higgs_residuals,
             scores=self.higgs_scores, group_index=self.higgs_index, megatron=self._megatron_collective,
-            bounded=shared.sync_timeout is not None, nodes=shared.nodes, wait=shared.wait,
+            bounded=shared.waits.timeout is not None, nodes=shared.nodes, waits=shared.waits,
             shard=self.intra_distributed_optimizer_instance_rank if distributed_optimizer else None)
         launch.stats.dense_bytes, launch.stats.dense_wire_bytes = self.higgs_dense_traffic
         for idx, bucket in enumerate(self.buckets):
             path, step_density = self.higgs_buckets[idx].step_path(density, dense, launch.force_all_reduce,
                                                                     shared.costs)
-            pending = shared.launch(lambda: path.launch(launch, idx, bucket.grad_data, step_density))
-            if pending is not None:  # None: nothing to finish, or its launch was skipped
+            try:
+                pending = path.launch(launch, idx, bucket.grad_data, step_density)
+            except RuntimeError:
+                if not shared.waits.abandoned:
+                    raise
+                pending = None  # the step is given up; NCCL refuses collectives on the communicator it aborted
+            if pending is not None:  # None: Megatron's own work, in launch.dense_works
                 launch.pending.append(pending)
         if launch.sums is not None:
             self.higgs_nonfinite = torch.isfinite(torch.stack(launch.sums)).all().logical_not()
         self.higgs_steps += 1
         shared.stats.add(launch.stats)
         handle = _GroupHandle(launch.dense_works, launch.pending, shared.average_over if average else 1,
-                              on_done=self._on_sync_done, shared=shared)
+                              on_done=self._on_sync_done, waits=shared.waits)
         if overlap:
             self.grad_reduce_handle = handle
         else:
@@ -405,14 +368,14 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                     grad, self.intra_distributed_optimizer_instance_size)
             local = self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
             work = reduce_scatter(self.higgs.comm, local, grad, group, reduce_op, async_op,
-                                  bounded=self.higgs.sync_timeout is not None)
+                                  bounded=self.higgs.waits.timeout is not None)
         else:
             local = grad
             work = self.higgs.comm.all_reduce(grad, group, op=reduce_op, async_op=async_op)
         if self.higgs.instances == 1:
             return work
         if work is not None:
-            self.higgs.wait(work)
+            self.higgs.waits.wait(work)
         return self.higgs.comm.all_reduce(local, self.inter_distributed_optimizer_instance_group, op=reduce_op,
                                           async_op=async_op)
 
@@ -438,7 +401,8 @@ class HiggsDDP(DistributedDataParallel):
         selector = None if self.higgs_config.compressor == "none" else make_selector(
             self.higgs_config.compressor, seed=dist.get_rank(dp_group))
         instances = ddp_config.num_distributed_optimizer_instances
-        self._higgs = _Shared(config=self.higgs_config, selector=selector, instances=instances,
+        self._higgs = _Shared(config=self.higgs_config, selector=selector,
+                              schedule=DensitySchedule.of(self.higgs_config), instances=instances,
                               average_over=dist.get_world_size(dp_group) * instances)
         if instances > 1 and self.higgs_config.compressor != "none":
             # Megatron's parallel state made the two levels: dense inside an instance, compressed across.
@@ -488,21 +452,21 @@ class HiggsDDP(DistributedDataParallel):
 
     def set_sync_timeout(self, seconds: float | None) -> None:
         """Give up on a step's sync when a wait for it takes longer than ``seconds`` (see
-        ``take_sync_failure``). Bounded waits block the host on both backends (``_GroupHandle``)."""
-        self._higgs.sync_timeout = seconds
+        ``take_sync_failure``). Bounded waits block the host on both backends (``reduce.wire.StepWaits``)."""
+        self._higgs.waits.timeout = seconds
 
     @property
     def sync_timeout(self) -> float | None:
-        return self._higgs.sync_timeout
+        return self._higgs.waits.timeout
 
     def take_sync_failure(self) -> str | None:
         """Why the last step's sync is not to be trusted (None: it completed in time); resets."""
-        reason, self._higgs.sync_failed = self._higgs.sync_failed, None
+        reason, self._higgs.waits.failed = self._higgs.waits.failed, None
         return reason
 
     def take_abandoned_works(self) -> list[Any]:
         """The collectives of the last step that were given up on, not drained; resets."""
-        works, self._higgs.abandoned = self._higgs.abandoned, []
+        works, self._higgs.waits.abandoned = self._higgs.waits.abandoned, []
         return works
 
     def process_groups(self) -> list[dist.ProcessGroup]:

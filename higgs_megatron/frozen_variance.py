@@ -83,7 +83,7 @@ def freeze_variance(torch_optimizer: torch.optim.Optimizer, freeze_step: int,
     """From Adam step ``freeze_step`` on, update with the second moment of that step (see the
     module docstring); ``thawed(step)``: whether the update from ``step`` (0-based, the updates
     done before it) takes torch's own Adam after all, which moves the second moment (the
-    refresh windows of ``HiggsConfig.refresh_window``). Only this instance's ``step`` is
+    refresh windows of ``grad_paths.DensitySchedule.refresh_window``). Only this instance's ``step`` is
     replaced: torch pickles an optimizer without it, so a copy made that way is plain AdamW
     until frozen again."""
     check_supported(torch_optimizer, "freeze_variance")

@@ -1,13 +1,15 @@
-"""The paths one bucket's gradient can take in a step, one object each.
+"""What each step of a bucket sends: its density (``DensitySchedule``) and its path, one
+object per path, chosen each step by the bucket's ``BucketPaths``.
 
 Every path has ``launch(step, idx, grad, density)``, which starts its collectives for bucket
 ``idx`` and returns what finishes them (None where Megatron's own work is left in
 ``step.dense_works``), and ``wire_bytes(density)``, the ring wire bytes per rank it puts on
 the links it is weighed on, at its group's size (``reduce.wire``): the whole data-parallel
 group's, or with a hierarchical form the slow ones across the nodes (the reduce-scatter and
-all-gather inside a node are not counted there; the meter counts them). ``sync_plan.BucketPaths`` makes a bucket's
-paths once and picks one per step; ``HiggsBucketGroup`` only dispatches to it. A new path is
-a new class here, not a branch there.
+all-gather inside a node are not counted there; the meter counts them). ``BucketPaths``
+(made at construction by ``sync_plan.plan_bucket``) holds a bucket's forms, makes each path
+object once and picks one per step (``step_path``); ``HiggsBucketGroup`` only dispatches to
+it. A new path is a new class here, not a branch there.
 
 * ``MegatronDense``: Megatron's own collective (all-reduce, or reduce-scatter with the
   distributed optimizer; then across optimizer instances);
@@ -35,17 +37,60 @@ import torch
 import torch.distributed as dist
 
 from .compress.agreed import AgreedPlan, ScoreBuffer, pack_rows
-from .compress.compressor import BucketPlan, ResidualBuffer, compress_with_feedback
+from .compress.compressor import BucketPlan, ResidualBuffer, Selector, pack_with_feedback
 from .compress.payload import DENSE_INT8, Payload, SparseGrad
-from .compress.selection import Selector
 from .compress.sharded import ShardedPlan
+from .cost_model import BucketShape, LinkCosts, cheapest, predict
 from .device import DeviceTimer
 from .reduce.agreed_reduce import launch_agreed
 from .reduce.cast_reduce import launch_cast_reduce
 from .reduce.sharded_reduce import launch_sharded
 from .reduce.sparse_allreduce import launch_hierarchical, launch_sparse_allreduce, node_reduce_scatter
-from .reduce.wire import Collectives, dense_wire_bytes, ring_factor
+from .reduce.wire import Collectives, StepWaits, dense_wire_bytes, ring_factor
 from .topology import NodeGroups
+
+
+@dataclass(frozen=True)
+class DensitySchedule:
+    """The density each step takes (``HiggsConfig``'s schedule fields): 1 in the dense stage
+    (``dense_iters`` steps) and in the variance-refresh windows, then from 1 down to
+    ``compression_ratio`` over ``density_warmup_iters`` steps (geometrically), then the target.
+    It lives beside the paths because both answer one question each bucket group asks at each
+    hook: what this step sends. Steps are 0-based syncs, not iterations."""
+
+    compression_ratio: float
+    dense_iters: int = 0
+    density_warmup_iters: int = 0
+    variance_refresh_iters: int = 0
+
+    @classmethod
+    def of(cls, config: Any) -> "DensitySchedule":
+        """The schedule of a ``HiggsConfig``."""
+        return cls(config.compression_ratio, config.dense_iters, config.density_warmup_iters,
+                   config.variance_refresh_iters)
+
+    def refresh_window(self, step: int) -> bool:
+        """Whether ``step`` is in a window of ``variance_refresh_iters``: windows start at twice
+        the dense stage, then at each doubling."""
+        if not self.variance_refresh_iters or step < 2 * self.dense_iters:
+            return False
+        start = 2 * self.dense_iters
+        while 2 * start <= step:
+            start *= 2
+        return step - start < self.variance_refresh_iters
+
+    def dense_stage(self, step: int) -> bool:
+        """Whether ``step`` syncs dense: the dense stage, or a refresh window."""
+        return step < self.dense_iters or self.refresh_window(step)
+
+    def density(self, step: int) -> float:
+        """The density in force at ``step``."""
+        if self.dense_stage(step):
+            return 1.0
+        step -= self.dense_iters
+        if step >= self.density_warmup_iters:
+            return self.compression_ratio
+        return self.compression_ratio ** (step / self.density_warmup_iters)
 
 
 @dataclass
@@ -69,7 +114,7 @@ class StepLaunch:
     bounded: bool = False  # waits are bounded (--higgs-step-timeout): every collective gets a work
     shard: int | None = None  # with the distributed optimizer: this rank's shard of each bucket
     nodes: NodeGroups | None = None  # the hierarchical form's groups
-    wait: Callable[[Any], None] | None = None  # how a collective of this step is waited for
+    waits: StepWaits | None = None  # how a collective of this step is waited for
     dense_works: list[Any] = field(default_factory=list)  # Megatron's collectives' works
     pending: list[Any] = field(default_factory=list)  # the other paths' exchanges in flight (the bucket group adds them)
 
@@ -180,15 +225,13 @@ class SparseForm:
 
     def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float,
                payload: Payload | None = None) -> Any:
-        plan = self.plan
         with step.timer.measure(grad.device):
-            sparse_grad = compress_with_feedback(grad, plan, density, step.selector, step.residuals[idx],
-                                                 key=step.key(idx), payload=payload)
-        step.stats.bytes_sent += plan.payload_bytes(density, grad.dtype, payload)
+            packed = pack_with_feedback(grad, self.plan, density, step.selector, step.residuals[idx],
+                                        key=step.key(idx), payload=payload)
+        step.stats.bytes_sent += packed.buffer.numel()
         step.count(dense=payload is DENSE_INT8)
         step.check(grad)
-        return launch_sparse_allreduce(step.comm, sparse_grad, payload or plan.payload, plan.layout(density), grad,
-                                       step.group, async_op=step.async_op)
+        return launch_sparse_allreduce(step.comm, packed, grad, step.group, async_op=step.async_op)
 
 
 @dataclass(frozen=True)
@@ -211,17 +254,16 @@ class HierarchicalForm:
         assert payload is None, "the hierarchical form sends its plan's payload"
         nodes, plan = step.nodes, self.plan
         step.check(grad)
-        work, piece = node_reduce_scatter(step.comm, grad, nodes.intra, step.wait, bounded=step.bounded)
+        work, piece = node_reduce_scatter(step.comm, grad, nodes.intra, step.waits, bounded=step.bounded)
         with step.timer.measure(grad.device):
-            sparse_grad = compress_with_feedback(piece, plan, density, step.selector, step.residuals[idx],
-                                                 key=step.key(idx))
+            packed = pack_with_feedback(piece, plan, density, step.selector, step.residuals[idx], key=step.key(idx))
         # Bytes handed to collectives: the node's reduce-scatter (and all-gather), and the payload.
         node_bytes = (1 if nodes.instances else 2) * (work.numel() - piece.numel()) * work.element_size()
-        step.stats.bytes_sent += plan.payload_bytes(density, grad.dtype) + node_bytes
+        step.stats.bytes_sent += packed.buffer.numel() + node_bytes
         step.count(dense=False)
         step.check(piece)  # this rank's slice: the node's sum plus the residual
-        return launch_hierarchical(step.comm, sparse_grad, plan.payload, plan.layout(density), work, piece, grad,
-                                   nodes.intra, nodes.inter, step.async_op, gather=not nodes.instances)
+        return launch_hierarchical(step.comm, packed, work, piece, grad, nodes.intra, nodes.inter, step.async_op,
+                                   gather=not nodes.instances)
 
 
 @dataclass(frozen=True)
@@ -336,3 +378,172 @@ class DenseInt8:
 
     def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float) -> Any:
         return self.form.launch(step, idx, grad, 1.0, DENSE_INT8)
+
+
+@dataclass
+class BucketPaths:
+    """One bucket's compressed forms and the path each step takes (see the module docstring)."""
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    candidates: dict[str, BucketPlan | AgreedPlan]
+    slice: tuple[int, int] | None  # this rank's [start, end) of the bucket, with a hierarchical form
+    ranks_per_node: int = 1
+    world: int = 1  # the ranks of the group its collectives run over (Megatron's DP group, or one instance)
+    distributed_optimizer: bool = False  # its dense step is a reduce-scatter
+    nodes: int = 1  # with a hierarchical form: the nodes (or optimizer instances) the slice is compressed across
+    dense_bf16: bool = False  # config.dense_bf16, for a bucket with a residual, one instance, wider than bf16
+    dense_int8: bool = False  # config.dense_int8, for a bucket with a residual and one instance
+    paths: dict[float, str] = field(default_factory=dict)  # density -> path
+    int8_verdict: bool | None = None  # under 'auto', once decided: whether int8_pays
+    sum_density_factor: float = 1.0  # config.sum_density_factor: the sharded form's owner's density
+    instances: int = 1  # Megatron's distributed-optimizer instances, over which a dense shard is all-reduced
+    _made_paths: dict[object, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    @property
+    def dense_in_bf16(self) -> bool:
+        """Whether its dense steps reduce a bf16 copy: with ``dense_bf16``, where one residual
+        covers the whole bucket (no hierarchical slice) to keep the rounding."""
+        return self.dense_bf16 and self.slice is None
+
+    @property
+    def dense_in_int8(self) -> bool:
+        """Whether its dense steps send every coordinate in int8, through its flat form at density
+        1 (``dense_int8``); not with a hierarchical slice, as ``dense_in_bf16``; and only where
+        that puts fewer bytes on the link than the plain dense step (an all-gather at this size).
+        Decided once per form (not per step)."""
+        return self._made(("dense-in-int8", self.form, self.slice), lambda: (
+            self.dense_int8 and self.slice is None and self.form in ("sparse", "agreed", "sharded")
+            and self.form_wire(1.0, int8=True) < self.plain_dense_wire()))
+
+    @property
+    def dense_path(self) -> MegatronDense | Bf16Dense:
+        """Its plain dense step: Megatron's collective, or a bf16 copy's where its dense steps go
+        in bf16. Its wire is counted, with a hierarchical form, across the nodes: the slice's
+        all-reduce between them (the fast links inside a node are not what it saves)."""
+        def make() -> MegatronDense | Bf16Dense:
+            if self.form == "hierarchical":
+                megatron = MegatronDense(self.plan.numel, self.dtype.itemsize, self.nodes, False, self.slice)
+            else:
+                megatron = MegatronDense(self.numel, self.dtype.itemsize, self.world, self.distributed_optimizer,
+                                         instances=self.instances)
+            return Bf16Dense(megatron) if self.dense_in_bf16 else megatron
+        return self._made(("dense", self.form, self.slice), make)
+
+    @property
+    def form_path(self) -> FormPath | None:
+        """The path of its compressed form (None: always dense)."""
+        form = self.form
+        if form is None:
+            return None
+
+        def make() -> FormPath:
+            plan, gather = self.plan, not self.distributed_optimizer
+            if form == "sparse":
+                return SparseForm(plan, self.dtype, self.world)
+            if form == "hierarchical":
+                return HierarchicalForm(plan, self.dtype, self.nodes)
+            if form == "agreed":
+                return AgreedForm(plan, self.dtype, self.world, gather)
+            return ShardedForm(plan, self.dtype, self.world, gather, self.sum_density_factor)
+        return self._made(form, make)
+
+    def _made(self, key: object, make: Callable[[], Any]) -> Any:
+        """Made once per key (what it is made of: the form, its slice), not once a step."""
+        if key not in self._made_paths:
+            self._made_paths[key] = make()
+        return self._made_paths[key]
+
+    def plain_dense_wire(self) -> float:
+        """Ring wire bytes per rank of the bucket's plain dense step (``dense_path``)."""
+        return self.dense_path.wire_bytes()
+
+    def dense_wire(self) -> float:
+        """Ring wire bytes per rank of the bucket's dense step as it is sent."""
+        return self.form_wire(1.0, int8=True) if self.dense_in_int8 else self.plain_dense_wire()
+
+    def smaller_than_dense(self, density: float) -> bool:
+        """Whether the form at ``density`` puts fewer bytes on this rank's link than the bucket's
+        dense step as it is sent, at this group's size (ring wire bytes, ``reduce.wire``)."""
+        return self.form_wire(density) < self.dense_wire()
+
+    def form_wire(self, density: float, int8: bool = False) -> float:
+        """Ring wire bytes per rank of the form at ``density`` (``int8``: as a dense int8 step)."""
+        return self.form_path.wire_bytes(density, DENSE_INT8 if int8 else None)
+
+    def step_path(self, density: float, dense: bool, force_all_reduce: bool, costs: LinkCosts | None
+                  ) -> tuple[GradPath, float]:
+        """This step's path (``path_at``, or dense in a dense stage) and the density it takes: a
+        dense step goes through the form, every coordinate in int8, where ``dense_in_int8``
+        and that pays (under 'auto', where the cost model says so: ``int8_pays``); Megatron's
+        own collective, whatever the bucket's dense steps are, where Megatron forces it."""
+        if not dense and path_at(self, density, costs) != "dense":
+            return self.form_path, density
+        dense_path = self.dense_path
+        if force_all_reduce:
+            return (dense_path.megatron if isinstance(dense_path, Bf16Dense) else dense_path), density
+        if self.dense_in_int8 and self.int8_pays(costs):
+            return self._made(("dense-int8", self.form), lambda: DenseInt8(self.form_path)), 1.0
+        return dense_path, density
+
+    def int8_pays(self, costs: LinkCosts | None) -> bool:
+        """Whether a dense step in int8 through the form (``dense_in_int8``) is worth its
+        compression: always by bytes alone (no ``costs``); under 'auto', where the cost model
+        predicts it faster than the plain dense step (on a fast link it is not)."""
+        if costs is None:
+            return True
+        if self.int8_verdict is None:
+            predicted = predict(costs, self.shape(1.0, (self.form,), DENSE_INT8))
+            self.int8_verdict = cheapest(predicted, allowed=("dense", self.form)) == self.form
+        return self.int8_verdict
+
+    @property
+    def form(self) -> str | None:
+        """The compressed form this bucket takes when it does not go dense (None: always dense)."""
+        return next(iter(self.candidates), None)
+
+    @property
+    def plan(self) -> BucketPlan | None:
+        return self.candidates.get(self.form) if self.form else None
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def shape(self, density: float, forms: tuple[str, ...], payload: Payload | None = None) -> BucketShape:
+        """What the cost model needs of this bucket at ``density``, for the given forms (their
+        payloads in ``payload``'s format, if given)."""
+        flat, piece = self.candidates.get("sparse"), self.candidates.get("hierarchical")
+        sharded = self.candidates.get("sharded") if "sharded" in forms else None
+        return BucketShape(
+            bucket_bytes=self.bucket_bytes, numel=self.numel,
+            flat_payload_bytes=flat.payload_bytes(density, self.dtype, payload) if flat and "sparse" in forms else None,
+            slice_numel=piece.numel if piece else 0,
+            slice_payload_bytes=piece.payload_bytes(density, self.dtype) if piece and "hierarchical" in forms
+            else None,
+            ranks_per_node=self.ranks_per_node if piece else 1,
+            shard_row_bytes=sharded.row_bytes(density, self.dtype, payload) if sharded else None, shards=self.world,
+            gather_row_bytes=0 if sharded is None else sharded.row_bytes(
+                owner_density(density, self.sum_density_factor, payload), self.dtype, payload),
+            always_bytes=sharded.always_bytes(self.dtype) if sharded else 0,
+            gather_rows=not self.distributed_optimizer, nodes=self.nodes, dense_int8=payload is DENSE_INT8)
+
+
+def path_at(bucket: BucketPaths, density: float, costs: LinkCosts | None) -> str:
+    """The bucket's path at ``density``: dense when it has no form, or when its payload would not
+    be smaller than the dense gradient (whatever the sync mode: a density ramp's early steps
+    would otherwise send more than dense); else its form under 'sparse'/'hierarchical', and
+    the cheaper of dense and its form under 'auto' (``costs`` given)."""
+    form = bucket.form
+    if form is None:
+        return "dense"
+    if density not in bucket.paths:
+        if not bucket.smaller_than_dense(density):
+            bucket.paths[density] = "dense"
+        elif costs is None:
+            bucket.paths[density] = form
+        else:
+            predicted = predict(costs, bucket.shape(density, (form,)))
+            bucket.paths[density] = cheapest(predicted, allowed=("dense", form))
+    return bucket.paths[density]

@@ -34,6 +34,7 @@ from .checkpoint.state import residual_objects, torch_optimizers
 from .ddp import HiggsDDP
 from .device import collective_device
 from .frozen_variance import check_supported, freeze_variance
+from .grad_paths import DensitySchedule
 from .stability.alignment import StepDecision, Verdict
 from .stability.progress import job_store
 from .stability.regroup import rebuild_process_groups
@@ -68,7 +69,7 @@ class HiggsOptimizer(MegatronOptimizer):
             for torch_optimizer in inner:  # all checked before any is changed
                 check_supported(torch_optimizer, "--higgs-freeze-adam-variance")
             for torch_optimizer in inner:
-                freeze_variance(torch_optimizer, config.dense_iters, thawed=config.refresh_window)
+                freeze_variance(torch_optimizer, config.dense_iters, thawed=DensitySchedule.of(config).refresh_window)
 
     def __getattr__(self, name: str):
         if name == "inner":  # not yet set (during unpickling)

@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, compress  # noqa: E402
-from higgs_megatron.compress.selection import make_selector  # noqa: E402
+from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, compress, make_selector  # noqa: E402
 
 
 def timed(fn, device) -> float:

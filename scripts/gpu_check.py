@@ -227,8 +227,7 @@ def stage_one_percent(out_dir: Path) -> list[Row]:
 
 
 def stage_compressor_throughput(out_dir: Path) -> Row:
-    from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, compress
-    from higgs_megatron.compress.selection import make_selector
+    from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, compress, make_selector
 
     device = torch.device("cuda" if CUDA else "cpu")
     n = 100_000_000 if CUDA else 4_000_000

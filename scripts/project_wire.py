@@ -66,9 +66,9 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
             with training_environment(args):
                 trainer = Trainer(args)
                 ddp = trainer.model[0]
-                config = ddp.higgs_config
+                schedule = ddp._higgs.schedule
                 for step in (range(args.train_iters) if steps is None else steps):
-                    key = (config.density(step), config.dense_stage(step))
+                    key = (schedule.density(step), schedule.dense_stage(step))
                     if key not in counted:
                         ddp.take_stats()  # nothing before this step
                         for group in ddp.bucket_groups:

@@ -50,10 +50,10 @@ from megatron.core.utils import get_model_config
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_group import fake_group  # noqa: E402
-from higgs_megatron.compress.selection import make_selector  # noqa: E402
+from higgs_megatron.compress.compressor import make_selector  # noqa: E402
 from higgs_megatron.ddp import HiggsBucketGroup, HiggsDDP, SyncStats  # noqa: E402
 from higgs_megatron.device import DeviceTimer  # noqa: E402
-from higgs_megatron.reduce.wire import Collectives  # noqa: E402
+from higgs_megatron.reduce.wire import Collectives, StepWaits  # noqa: E402
 from higgs_megatron.runtime.exits import UsageError, exit_status  # noqa: E402
 from higgs_megatron.training.arguments import parse_args  # noqa: E402
 from higgs_megatron.training.launch import training_environment  # noqa: E402
@@ -208,7 +208,7 @@ class VirtualRank:
         shared = ddp._higgs
         selector = None if shared.selector is None else make_selector(shared.config.compressor, seed=rank)
         self.shared = dataclasses.replace(shared, selector=selector, stats=SyncStats(), trace=None,
-                                          compress_timer=DeviceTimer(), sync_failed=None, abandoned=[],
+                                          compress_timer=DeviceTimer(), waits=StepWaits(),
                                           comm=VirtualCollectives(hub, rank))
         self.groups = [self._twin(group, rank) for group in ddp.bucket_groups]
 

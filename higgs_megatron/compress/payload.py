@@ -147,6 +147,16 @@ class SparseGrad:
     scales: torch.Tensor | None = None  # fp32 [n_scales]
 
 
+@dataclass(frozen=True)
+class Packed:
+    """One peer's payload as it goes on the wire: the bytes (``Payload.pack``), and the format
+    and layout every peer decodes them with."""
+
+    buffer: torch.Tensor  # uint8, the same size on every peer
+    payload: "Payload"
+    layout: SlotLayout
+
+
 def _pad4(parts: list[torch.Tensor]) -> torch.Tensor:
     """Rows of uint8 sections side by side, padded to a multiple of 4 bytes."""
     size = sum(p.shape[-1] for p in parts)

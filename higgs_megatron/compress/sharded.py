@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from .compressor import ParamSlot, k_of
+from .compressor import ParamSlot, Selector, k_of
 from .payload import Payload, SlotLayout, SparseGrad, payload_format, position_encoding, scale_span
-from .selection import Selector
 
 
 _KEPT_LAYOUTS = 4  # a step's density, the owners' density, the dense steps' 1.0, and one to spare

@@ -8,7 +8,7 @@ the same calls with the same sizes:
    all-reduce of the always-sent values (small parameters, in the gradient's dtype) and the
    bf16 all-reduce of the block scores for the next step. Wire per rank: (P-1)/P of the rows,
    2(P-1)/P of the others', none growing with P.
-2. ``finish`` (after ``wait``): the owner decodes the P rows it received and sums them in fp32
+2. ``finish`` (after waiting for those): the owner decodes the P rows it received and sums them in fp32
    (the same sum on any rank: one rank computes it). With the distributed optimizer that sum
    is the shard of the bucket the optimizer reads, written into it; nothing more goes out.
    Without it, the owner rounds its sums to the wire format, keeps the rounding in its own
@@ -18,9 +18,9 @@ the same calls with the same sizes:
    rank. Wire: (P-1)/P of the rows again.
 
 Stream order (CUDA): the rows and the scores are computed on the current stream before the
-launch, NCCL's streams wait for it; ``finish`` runs after ``wait`` on the current stream, as
-the sparse path's does. On failure, as ``sparse_allreduce``: ``give_up`` still issues the
-all-gather every rank will issue, and reads nothing.
+launch, NCCL's streams wait for it; ``finish`` waits and then runs on the current stream, as
+the sparse path's does. On failure, as ``sparse_allreduce``: in a given-up sync ``finish``
+still issues the all-gather every rank will issue, and reads nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..compress.agreed import AgreedPlan, ScoreBuffer, pack_rows, unpack_rows
 from ..compress.compressor import ResidualBuffer
-from .wire import Collectives, plain_wait, wait_works
+from .wire import Collectives, StepWaits, wait_works
 
 
 @dataclass
@@ -56,18 +56,16 @@ class PendingAgreed:
     target: torch.Tensor
     gather: bool  # False: only this rank's shard of ``target`` is wanted (the distributed optimizer's)
 
-    def wait(self, waiter=None) -> None:
-        """Wait for the exchange and the scores; ``waiter(work)`` replaces ``work.wait()``."""
-        wait_works(self, ("work", "score_work", "always_work"), waiter)
-
-    def give_up(self, waiter) -> None:
-        """The step's sync was given up: the all-gather every rank issues still goes out."""
-        if self.gather:
-            rows = self.received.narrow(0, 0, 1)
-            waiter(self.comm.all_gather(torch.empty_like(self.received), rows, self.group, async_op=True))
-
-    def finish(self, waiter=None) -> None:
-        self.wait(waiter)
+    def finish(self, waits: StepWaits | None = None) -> None:
+        """Wait for the exchange and the scores (through ``waits``), then sum; in a given-up
+        sync only the all-gather every rank issues goes out, and nothing is read."""
+        waits = waits or StepWaits()
+        wait_works(self, ("work", "score_work", "always_work"), waits)
+        if waits.abandoned:
+            if self.gather:
+                waits.issue(self.comm.all_gather, torch.empty_like(self.received), self.received.narrow(0, 0, 1),
+                            self.group)
+            return
         layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
         rank = self.comm.rank(self.group)
         sums = unpack_rows(self.received, fmt, layout.width, layout.span, torch.float32).sum(0, keepdim=True)
@@ -84,7 +82,7 @@ class PendingAgreed:
         if self.residual is not None and fmt != "wide":
             self.residual.add_staged(mine, sums.view(-1).to(dtype) - rounded.view(-1).to(dtype))
         gathered = torch.empty_like(self.received)
-        (waiter or plain_wait)(self.comm.all_gather(gathered, wire, self.group, async_op=True))
+        waits.issue(self.comm.all_gather, gathered, wire, self.group)
         values = unpack_rows(gathered, fmt, layout.width, layout.span, dtype)
         self.target.zero_()
         self.target.index_add_(0, self.positions.view(-1), values.view(-1))

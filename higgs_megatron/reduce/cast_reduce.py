@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .sparse_allreduce import reduce_scatter
-from .wire import Collectives
+from .wire import Collectives, StepWaits, wait_works
 
 
 @dataclass
@@ -32,17 +32,12 @@ class PendingCastReduce:
     wire: torch.Tensor  # the part of the bf16 copy that holds this rank's result
     target: torch.Tensor  # the same part of the bucket
 
-    def wait(self, waiter=None) -> None:
-        if self.work is not None:
-            (waiter or (lambda work: work.wait()))(self.work)
-            self.work = None
-
-    def give_up(self, waiter) -> None:
-        """The step's sync was given up: its one collective went out; nothing is read."""
-
-    def finish(self, waiter=None) -> None:
-        self.wait(waiter)
-        self.target.copy_(self.wire)
+    def finish(self, waits: StepWaits | None = None) -> None:
+        """Wait (through ``waits``), then copy the result into ``target``; in a given-up sync
+        nothing is read (its one collective went out)."""
+        wait_works(self, ("work",), waits)
+        if waits is None or not waits.abandoned:
+            self.target.copy_(self.wire)
 
 
 def launch_cast_reduce(comm: Collectives, grad: torch.Tensor, wire: torch.Tensor, group: dist.ProcessGroup, shard: int | None,

@@ -23,9 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..compress.compressor import BucketPlan, ResidualBuffer, compress_with_feedback
-from ..compress.selection import make_selector
-from ..compress.payload import DENSE_INT8, Payload
+from ..compress.compressor import BucketPlan, ResidualBuffer, make_selector, pack_with_feedback
+from ..compress.payload import DENSE_INT8, Packed, Payload
 from ..cost_model import CodecCost, CollectiveCost, LinkCosts
 from ..topology import NodeGroups
 
@@ -91,14 +90,13 @@ def _codec_seconds_per_element(plan: BucketPlan | None, density: float, compress
     residual = ResidualBuffer(plan.numel, grad.dtype, device) if error_feedback else None
     payload, layout = payload or plan.payload, plan.layout(density)
     target = torch.zeros_like(grad)
-    packed: list[torch.Tensor] = []
+    packed: list[Packed] = []
 
     def compress() -> None:
-        sparse = compress_with_feedback(grad, plan, density, selector, residual, key="link_probe", payload=payload)
-        packed[:] = [payload.pack(sparse, layout)]
+        packed[:] = [pack_with_feedback(grad, plan, density, selector, residual, key="link_probe", payload=payload)]
 
     def decode() -> None:
-        payload.add_to(target, packed[0], layout)
+        payload.add_to(target, packed[0].buffer, layout)
 
     return tuple(_timed(run, device) / plan.numel for run in (compress, decode))
 

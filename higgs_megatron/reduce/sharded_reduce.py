@@ -6,7 +6,7 @@ Per bucket and step, every rank makes the same calls with the same sizes:
 1. ``launch_sharded``: an all-to-all sends row j (this rank's payload for shard j) to rank j,
    asynchronously; beside it, an all-reduce of the small parameters' values. Wire per rank:
    (P-1)/P of the P rows, each about 1/P of a flat payload, and 2(P-1)/P of the small ones.
-2. ``finish`` (after ``wait``): the owner sums its shard in fp32, in rank order: its own
+2. ``finish`` (after waiting for those): the owner sums its shard in fp32, in rank order: its own
    accumulated gradient there (never sent) and the P-1 rows it received. With the
    distributed optimizer that sum is the shard of the bucket the optimizer reads, written
    into it; nothing more goes out. Without it, the owner selects the top ``sum_density``
@@ -17,9 +17,9 @@ Per bucket and step, every rank makes the same calls with the same sizes:
    ``sum_density``). The small parameters' sums go in last.
 
 Stream order (CUDA): the rows are made on the current stream before the launch, and NCCL's
-stream waits for it; ``finish`` runs after ``wait`` on the current stream, as the sparse path's
-does. On failure, as ``sparse_allreduce``: ``give_up`` still issues the all-gather every rank
-will issue, and reads nothing.
+stream waits for it; ``finish`` waits and then runs on the current stream, as the sparse path's
+does. On failure, as ``sparse_allreduce``: in a given-up sync ``finish`` still issues the
+all-gather every rank will issue, and reads nothing.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..compress.compressor import ResidualBuffer
+from ..compress.compressor import ResidualBuffer, Selector
 from ..compress.payload import Payload
-from ..compress.selection import Selector
 from ..compress.sharded import ShardedPlan
-from .wire import Collectives, plain_wait, wait_works
+from .wire import Collectives, StepWaits, wait_works
 
 
 @dataclass
@@ -56,21 +55,18 @@ class PendingSharded:
     always_work: object
     sum_density: float  # of the owner's selection of its sum (with ``gather``)
 
-    def wait(self, waiter=None) -> None:
-        """Wait for the all-to-all and the small parameters' all-reduce; ``waiter(work)``
-        replaces ``work.wait()``."""
-        wait_works(self, ("work", "always_work"), waiter)
-
-    def give_up(self, waiter) -> None:
-        """The step's sync was given up: the all-gather every rank issues still goes out."""
-        if self.gather:
-            row = torch.zeros(self.plan.row_bytes(self.sum_density, self.target.dtype, self.payload),
-                              dtype=torch.uint8, device=self.received.device)
-            gathered = torch.empty(self.plan.world * row.numel(), dtype=torch.uint8, device=row.device)
-            waiter(self.comm.all_gather(gathered, row, self.group, async_op=True))
-
-    def finish(self, waiter=None) -> None:
-        self.wait(waiter)
+    def finish(self, waits: StepWaits | None = None) -> None:
+        """Wait for the all-to-all and the small parameters' all-reduce (through ``waits``), then
+        sum; in a given-up sync only the all-gather every rank issues goes out, and nothing is read."""
+        waits = waits or StepWaits()
+        wait_works(self, ("work", "always_work"), waits)
+        if waits.abandoned:
+            if self.gather:
+                row = torch.zeros(self.plan.row_bytes(self.sum_density, self.target.dtype, self.payload),
+                                  dtype=torch.uint8, device=self.received.device)
+                gathered = torch.empty(self.plan.world * row.numel(), dtype=torch.uint8, device=row.device)
+                waits.issue(self.comm.all_gather, gathered, row, self.group)
+            return
         rank = self.comm.rank(self.group)
         lo, hi = self.plan.bounds[rank]
         total = self.plan.sum_shard(rank, self.target.narrow(0, lo, hi - lo), self.received, self.density,
@@ -82,7 +78,7 @@ class PendingSharded:
             if self.residual is not None:  # what the owner did not send of the sum
                 self.residual.staged.narrow(0, lo, hi - lo).copy_(total)
             gathered = torch.empty(self.plan.world * row.numel(), dtype=torch.uint8, device=row.device)
-            (waiter or plain_wait)(self.comm.all_gather(gathered, row, self.group, async_op=True))
+            waits.issue(self.comm.all_gather, gathered, row, self.group)
             self.plan.add_gathered(self.target, gathered.view(self.plan.world, -1), self.sum_density, self.payload)
         self.target.index_copy_(0, self.plan.always_positions, self.always)
 

@@ -28,9 +28,9 @@ bucket and step, every DP rank makes the same calls with the same sizes:
 4. ``PendingHierarchical.finish``: every node's payloads summed into the slice, then the
    slices all-gathered inside the node back into the whole bucket: identical on every DP rank.
 
-On failure: ``wait`` raises what the collective raised; the bucket is left as it was. A sync
-given up on (a bounded wait that ran out) calls ``give_up`` instead of ``finish``: nothing
-gathered is read, and the collectives the other ranks will issue still go out.
+On failure: ``finish`` raises what the collective raised; the bucket is left as it was. In a
+sync given up on (``wire.StepWaits``: a bounded wait ran out) ``finish`` reads nothing
+gathered, and still issues the collectives the other ranks will.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..compress.payload import Payload, SlotLayout, SparseGrad
-from .wire import Collectives, plain_wait, wait_works
+from ..compress.payload import Packed, Payload, SlotLayout
+from .wire import Collectives, StepWaits, wait_works
 
 
 @dataclass
@@ -55,16 +55,12 @@ class PendingSparseReduce:
     layout: SlotLayout
     target: torch.Tensor
 
-    def wait(self, waiter=None) -> None:
-        """Wait for the gather; ``waiter(work)`` replaces ``work.wait()`` (e.g. with a timeout)."""
-        wait_works(self, ("work",), waiter)
-
-    def give_up(self, waiter) -> None:
-        """The step's sync was given up: nothing more goes out (the gather, its one collective,
-        went to ``wait``) and nothing of it is read (its positions may be any bytes)."""
-
-    def finish(self, waiter=None) -> None:
-        self.wait(waiter)
+    def finish(self, waits: StepWaits | None = None) -> None:
+        """Wait for the gather (through ``waits``: e.g. bounded), then sum it into ``target``;
+        in a given-up sync nothing of it is read (its positions may be any bytes)."""
+        wait_works(self, ("work",), waits)
+        if waits is not None and waits.abandoned:
+            return
         per_peer = self.gathered.view(self.world, -1)
         self.target.zero_()
         for peer in range(self.world):
@@ -77,14 +73,13 @@ def gather_payloads(comm: Collectives, payload: torch.Tensor, group: dist.Proces
     return gathered, comm.all_gather(gathered, payload, group, async_op=async_op)
 
 
-def launch_sparse_allreduce(comm: Collectives, sparse: SparseGrad, payload: Payload, layout: SlotLayout,
-                            target: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
-                            ) -> PendingSparseReduce:
-    """Start the gather of ``sparse`` (compressed at ``layout``); the caller later calls
-    ``finish()`` on what this returns."""
-    gathered, work = gather_payloads(comm, payload.pack(sparse, layout), group, async_op)
+def launch_sparse_allreduce(comm: Collectives, packed: Packed, target: torch.Tensor, group: dist.ProcessGroup,
+                            async_op: bool = True) -> PendingSparseReduce:
+    """Start the gather of ``packed`` (``compress.compressor.pack_with_feedback``); the caller
+    later calls ``finish()`` on what this returns."""
+    gathered, work = gather_payloads(comm, packed.buffer, group, async_op)
     return PendingSparseReduce(work=work if async_op else None, gathered=gathered, world=dist.get_world_size(group),
-                               payload=payload, layout=layout, target=target)
+                               payload=packed.payload, layout=packed.layout, target=target)
 
 
 def slice_range(numel: int, ranks_per_node: int, local_index: int) -> tuple[int, int]:
@@ -108,16 +103,15 @@ def reduce_scatter(comm: Collectives, shard: torch.Tensor, buffer: torch.Tensor,
 
 
 def node_reduce_scatter(comm: Collectives, grad: torch.Tensor, intra: dist.ProcessGroup,
-                        waiter=None, bounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the padded work buffer, this rank's slice of it holding the node's sum); ``waiter(work)``
-    replaces ``work.wait()``, as in ``PendingSparseReduce.wait``; ``bounded`` as in
-    ``reduce_scatter``."""
+                        waits: StepWaits, bounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the padded work buffer, this rank's slice of it holding the node's sum), waited for
+    through ``waits``; ``bounded`` as in ``reduce_scatter``."""
     ranks = dist.get_world_size(intra)
     size = -(-grad.numel() // ranks)
     work = grad if size * ranks == grad.numel() else torch.cat(
         [grad, torch.zeros(size * ranks - grad.numel(), dtype=grad.dtype, device=grad.device)])
     piece = work.view(ranks, size).select(0, dist.get_rank(intra))
-    (waiter or plain_wait)(reduce_scatter(comm, piece, work, intra, bounded=bounded))
+    waits.wait(reduce_scatter(comm, piece, work, intra, bounded=bounded))
     return work, piece
 
 
@@ -129,20 +123,14 @@ class PendingHierarchical:
         self.comm, self.sparse, self.work, self.piece, self.target, self.intra = comm, sparse, work, piece, target, intra
         self.gather = gather  # False: only this rank's slice of ``target`` is wanted (the distributed optimizer's shard)
 
-    def wait(self, waiter=None) -> None:
-        self.sparse.wait(waiter)
-
-    def give_up(self, waiter) -> None:
-        """As ``PendingSparseReduce.give_up``, but the node's all-gather still goes out: every
-        rank of the node issues it (what it carries is not used)."""
+    def finish(self, waits: StepWaits | None = None) -> None:
+        """As ``PendingSparseReduce.finish``; the node's all-gather goes out in a given-up sync
+        too (every rank of the node issues it; what it carries is not used)."""
+        waits = waits or StepWaits()
+        self.sparse.finish(waits)  # the slice now holds the sum over all nodes
         if self.gather:
-            waiter(self.comm.all_gather(self.work, self.piece, self.intra, async_op=True))
-
-    def finish(self, waiter=None) -> None:
-        self.sparse.finish(waiter)  # the slice now holds the sum over all nodes
-        if self.gather:
-            (waiter or plain_wait)(self.comm.all_gather(self.work, self.piece, self.intra, async_op=True))
-        if self.work.data_ptr() == self.target.data_ptr():
+            waits.issue(self.comm.all_gather, self.work, self.piece, self.intra)
+        if waits.abandoned or self.work.data_ptr() == self.target.data_ptr():
             return
         if self.gather:
             self.target.copy_(self.work.narrow(0, 0, self.target.numel()))
@@ -153,8 +141,8 @@ class PendingHierarchical:
                 self.target.narrow(0, start, end - start).copy_(self.piece.narrow(0, 0, end - start))
 
 
-def launch_hierarchical(comm: Collectives, sparse: SparseGrad, payload: Payload, layout: SlotLayout,
-                        work: torch.Tensor, piece: torch.Tensor, target: torch.Tensor, intra: dist.ProcessGroup,
-                        inter: dist.ProcessGroup, async_op: bool = True, gather: bool = True) -> PendingHierarchical:
-    pending = launch_sparse_allreduce(comm, sparse, payload, layout, piece, inter, async_op=async_op)
+def launch_hierarchical(comm: Collectives, packed: Packed, work: torch.Tensor, piece: torch.Tensor,
+                        target: torch.Tensor, intra: dist.ProcessGroup, inter: dist.ProcessGroup,
+                        async_op: bool = True, gather: bool = True) -> PendingHierarchical:
+    pending = launch_sparse_allreduce(comm, packed, piece, inter, async_op=async_op)
     return PendingHierarchical(comm, pending, work, piece, target, intra, gather)

@@ -22,7 +22,8 @@ against gloo with it; the figures this layer logs are the ring's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -126,18 +127,76 @@ class Collectives:
         return self.issue("all_to_all", output, input, group, None, async_op)
 
 
-def plain_wait(work) -> None:
-    """What a pending exchange's ``waiter`` is when none is given: ``work.wait()``."""
-    work.wait()
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
 
 
-def wait_works(holder: object, names: tuple[str, ...], waiter: Callable | None = None) -> None:
+def peer_lost(error: BaseException) -> bool:
+    """Whether a collective failed because a peer process is gone (gloo's socket errors)."""
+    text = str(error).lower()
+    return any(marker in text for marker in _PEER_LOST)
+
+
+@dataclass
+class StepWaits:
+    """How the collectives of one step's sync are waited for, and what gave up on them.
+
+    Without ``timeout``, ``work.wait()``: on NCCL that only makes the current stream wait for
+    the collective's end (the host goes on); on gloo the host waits. With ``timeout``,
+    ``work.wait(timeout)`` makes the host wait on either backend, at most that long. A wait
+    that runs out, or a collective that fails, gives the step's sync up (``failed`` says why):
+    that work is not drained (a rank that never returns would hang this one for ever) and no
+    later work of the step is waited for (each goes to ``abandoned``), but the pending
+    exchanges still issue every collective the other ranks will, so that each given-up one
+    completes (gloo) or fails (NCCL's aborted communicator) by the time every rank has voted.
+    A peer process found gone raises: only a restart helps then."""
+
+    timeout: float | None = None
+    failed: str | None = None  # why this step's sync is not to be trusted
+    abandoned: list[Any] = field(default_factory=list)  # works of this step given up on, not drained
+
+    def wait(self, work: Any) -> None:
+        """Wait for one collective of this step's sync (see the class docstring)."""
+        if self.abandoned:  # this step's sync is given up: wait for nothing more
+            self.abandoned.append(work)
+            return
+        if self.timeout is None:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            if peer_lost(error):
+                raise
+            text = str(error).lower()
+            self.failed = (f"rank {dist.get_rank()}: gradient sync did not complete within {self.timeout:g}s"
+                           if "timed out" in text or "timeout" in text else
+                           f"rank {dist.get_rank()}: gradient sync failed: {str(error).splitlines()[0][:200]}")
+            self.abandoned.append(work)
+
+    def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """``collective(*args, async_op=True, **kwargs)`` (a ``Collectives`` method), then its work
+        waited for. After the step's sync was given up it still goes out, as on every other
+        rank, but a launch that fails is skipped (NCCL refuses collectives on a communicator its
+        timed-out wait aborted)."""
+        try:
+            work = collective(*args, async_op=True, **kwargs)
+        except RuntimeError:
+            if not self.abandoned:
+                raise
+            return
+        self.wait(work)
+
+
+def wait_works(holder: object, names: tuple[str, ...], waits: StepWaits | None = None) -> None:
     """Wait for each work ``holder`` keeps in the attributes ``names`` (None: already waited
-    for), through ``waiter(work)`` (e.g. with a timeout), and clear it."""
+    for), through ``waits`` (a plain ``work.wait()`` without), and clear it."""
     for name in names:
         work = getattr(holder, name)
         if work is not None:
-            (waiter or plain_wait)(work)
+            if waits is None:
+                work.wait()
+            else:
+                waits.wait(work)
             setattr(holder, name, None)
 
 

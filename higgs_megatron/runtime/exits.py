@@ -23,7 +23,8 @@ from typing import Callable
 
 from ..checkpoint.manifest import CheckpointError
 from ..logs import get_logger, setup_logging
-from ..stability.regroup import RESTART_EXIT_CODE, peer_lost
+from ..reduce.wire import peer_lost
+from ..stability.regroup import RESTART_EXIT_CODE
 from ..launcher import attempt_store, launcher_rank, process_rank
 
 log = get_logger(__name__)

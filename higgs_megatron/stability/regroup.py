@@ -46,17 +46,10 @@ from ..logs import get_logger
 log = get_logger(__name__)
 
 RESTART_EXIT_CODE = 75  # EX_TEMPFAIL: try again (torchrun --max-restarts restarts the job)
-_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
 
 
 class GroupsLost(RuntimeError):
     """A given-up collective did not finish even after every rank voted: restart the job."""
-
-
-def peer_lost(error: BaseException) -> bool:
-    """Whether a collective failed because a peer process is gone (gloo's socket errors)."""
-    text = str(error).lower()
-    return any(marker in text for marker in _PEER_LOST)
 
 
 def publish_process(store: dist.Store, rank: int) -> None:

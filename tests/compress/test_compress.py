@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, SparseGrad, compress
-from higgs_megatron.compress.selection import SampledTopK, TopK
+from higgs_megatron.compress.compressor import (
+    BucketPlan, ParamSlot, ResidualBuffer, SampledTopK, SparseGrad, TopK, compress)
 from higgs_megatron.config import HiggsConfig
+from higgs_megatron.grad_paths import DensitySchedule
 
 
 def _heavy_tailed(n, seed=0):
@@ -159,12 +160,12 @@ def test_config_validation_and_density_warmup():
         HiggsConfig(compression_ratio=0.0)
     with pytest.raises(ValueError, match="compressor must be one of"):
         HiggsConfig(compressor="powersgd")
-    config = HiggsConfig(compression_ratio=0.01, density_warmup_iters=4)
-    densities = [config.density(step) for step in range(6)]
+    schedule = DensitySchedule.of(HiggsConfig(compression_ratio=0.01, density_warmup_iters=4))
+    densities = [schedule.density(step) for step in range(6)]
     assert densities[0] == 1.0 and densities[4] == densities[5] == 0.01
     assert all(a > b for a, b in zip(densities[:4], densities[1:5]))
     assert densities[2] == pytest.approx(0.1)
-    staged = HiggsConfig(compression_ratio=0.01, dense_iters=3, density_warmup_iters=4)
+    staged = DensitySchedule.of(HiggsConfig(compression_ratio=0.01, dense_iters=3, density_warmup_iters=4))
     assert [staged.dense_stage(step) for step in range(5)] == [True, True, True, False, False]
     assert [staged.density(step) for step in range(3, 9)] == densities  # the warm-up starts after the dense stage
     with pytest.raises(ValueError, match="freeze_adam_variance needs dense_iters > 0"):

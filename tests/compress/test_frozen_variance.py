@@ -152,8 +152,9 @@ def test_only_adamw_is_frozen_and_the_error_names_the_flag():
 def test_a_thawed_step_takes_torchs_update_and_moves_the_second_moment():
     """Steps 5 and 6 (0-based 4 and 5) thawed: Adam's own update there, the frozen one around."""
     from higgs_megatron.config import HiggsConfig
+    from higgs_megatron.grad_paths import DensitySchedule
 
-    schedule = HiggsConfig(dense_iters=2, freeze_adam_variance=True, variance_refresh_iters=2)
+    schedule = DensitySchedule.of(HiggsConfig(dense_iters=2, freeze_adam_variance=True, variance_refresh_iters=2))
     assert [schedule.refresh_window(step) for step in range(10)] == [False] * 4 + [True] * 2 + [False] * 2 + [True] * 2
     assert [schedule.dense_stage(step) for step in range(10)] == [True] * 2 + [False] * 2 + [True] * 2 + [False] * 2 \
         + [True] * 2
@@ -172,11 +173,12 @@ def test_a_thawed_step_takes_torchs_update_and_moves_the_second_moment():
 
 def test_refresh_windows_need_a_frozen_moment_and_fit_between_each_other():
     from higgs_megatron.config import HiggsConfig
+    from higgs_megatron.grad_paths import DensitySchedule
 
     with pytest.raises(ValueError, match="needs freeze_adam_variance"):
         HiggsConfig(dense_iters=10, variance_refresh_iters=5)
     with pytest.raises(ValueError, match=r"variance_refresh_iters \(11\) must be at most dense_iters \(10\)"):
         HiggsConfig(dense_iters=10, freeze_adam_variance=True, variance_refresh_iters=11)
-    windows = HiggsConfig(dense_iters=240, freeze_adam_variance=True, variance_refresh_iters=20)
+    windows = DensitySchedule.of(HiggsConfig(dense_iters=240, freeze_adam_variance=True, variance_refresh_iters=20))
     assert [step for step in range(2400) if windows.refresh_window(step)] == \
         list(range(480, 500)) + list(range(960, 980)) + list(range(1920, 1940))

@@ -4,11 +4,12 @@ the rounding carried into the error-feedback residual."""
 import pytest
 import torch
 
-from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, compress_with_feedback
+from higgs_megatron.compress.compressor import (
+    BucketPlan, ParamSlot, ResidualBuffer, SampledTopK, TopK, compress_with_feedback)
 from higgs_megatron.compress.payload import BLOCK, SparseGrad
-from higgs_megatron.compress.selection import SampledTopK, TopK
 from higgs_megatron.config import HiggsConfig
-from higgs_megatron.sync_plan import path_at, plan_bucket
+from higgs_megatron.grad_paths import path_at
+from higgs_megatron.sync_plan import plan_bucket
 
 FORMATS = ["wide", "bf16", "int8", "int4"]
 BLOCKED = ["bf16", "int8", "int4"]

@@ -4,9 +4,8 @@
 import pytest
 import torch
 
-from higgs_megatron.compress.compressor import ParamSlot
+from higgs_megatron.compress.compressor import ParamSlot, TopK
 from higgs_megatron.compress.payload import DENSE_INT8
-from higgs_megatron.compress.selection import TopK
 from higgs_megatron.compress.sharded import ShardedPlan
 
 CPU = torch.device("cpu")

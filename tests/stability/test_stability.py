@@ -86,7 +86,7 @@ def test_alignments_closer_than_ten_minutes_are_frequent():
 
 
 def test_a_lost_peer_is_told_from_other_failures():
-    from higgs_megatron.stability.regroup import peer_lost
+    from higgs_megatron.reduce.wire import peer_lost
 
     gone = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:27528: "
                         "Connection reset by peer. This is typically caused by a remote worker hanging")

@@ -22,8 +22,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from higgs_megatron import cpu as cpu_scope
-from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, compress_with_feedback
-from higgs_megatron.compress.selection import SampledTopK, TopK
+from higgs_megatron.compress.compressor import (
+    BucketPlan, ParamSlot, ResidualBuffer, SampledTopK, TopK, compress_with_feedback)
 from higgs_megatron.reduce.sparse_allreduce import PendingSparseReduce
 
 CUDA = torch.device("cuda", 0)
@@ -94,10 +94,11 @@ def _chunk_with_flag(flag: torch.Tensor):
     """A HiggsDDP holding only what the optimizer wrapper's vote reads."""
     from higgs_megatron.config import HiggsConfig
     from higgs_megatron.ddp import HiggsDDP
+    from higgs_megatron.reduce.wire import StepWaits
 
     chunk = object.__new__(HiggsDDP)
     grad = torch.zeros(8, device=flag.device)
-    chunk.__dict__.update(_higgs=SimpleNamespace(check_nonfinite=False, sync_failed=None), higgs_config=HiggsConfig(),
+    chunk.__dict__.update(_higgs=SimpleNamespace(check_nonfinite=False, waits=StepWaits()), higgs_config=HiggsConfig(),
                           bucket_groups=[SimpleNamespace(higgs_nonfinite=flag,
                                                          buckets=[SimpleNamespace(grad_data=grad)])])
     return chunk

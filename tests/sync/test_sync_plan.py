@@ -6,7 +6,8 @@ import torch
 from higgs_megatron.compress.compressor import ParamSlot
 from higgs_megatron.config import HiggsConfig
 from higgs_megatron.cost_model import LinkCosts
-from higgs_megatron.sync_plan import NodeShape, choose_form, path_at, plan_bucket
+from higgs_megatron.grad_paths import path_at
+from higgs_megatron.sync_plan import NodeShape, choose_form, plan_bucket
 
 CPU = torch.device("cpu")
 SLOTS = [ParamSlot(0, 100), ParamSlot(100, 60_100), ParamSlot(60_100, 100_100)]  # a bias, two weights

@@ -57,12 +57,12 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
 def train_variants_on_the_compressed_form(variants: dict[str, list[str]]) -> dict:
     """``train_variants`` with every compressible bucket on its compressed form whatever its
     payload's size: density 1.0 through the compressed machinery, which the rule that a payload
-    not smaller than dense goes dense (``sync_plan.smaller_than_dense``) would otherwise skip.
-    Patched in this rank's process only."""
-    import higgs_megatron.sync_plan as sync_plan
+    not smaller than dense goes dense (``grad_paths.BucketPaths.smaller_than_dense``) would
+    otherwise skip. Patched in this rank's process only."""
+    from higgs_megatron.grad_paths import BucketPaths
 
     forced = []
-    sync_plan.smaller_than_dense = lambda bucket, density: forced.append(bucket.name) or True
+    BucketPaths.smaller_than_dense = lambda bucket, density: forced.append(bucket.name) or True
     out = train_variants(variants)
     return {**out, "forced": len(forced)}
 

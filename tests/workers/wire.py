@@ -13,7 +13,7 @@ def _priced(ddp) -> float:
     """The wire bytes the paths of ``ddp``'s next step price, over every bucket."""
     shared, total = ddp._higgs, 0.0
     for group in ddp.bucket_groups:
-        density, dense = shared.config.density(group.higgs_steps), shared.config.dense_stage(group.higgs_steps)
+        density, dense = shared.schedule.density(group.higgs_steps), shared.schedule.dense_stage(group.higgs_steps)
         for paths in group.higgs_buckets:
             path, step_density = paths.step_path(density, dense, False, shared.costs)
             total += path.wire_bytes(step_density)
@@ -60,7 +60,7 @@ def sync_bytes_against_gloo(argv: list[str]) -> dict:
                 steps.append({"written": written[0], "wire": counted.wire, "gloo": counted.wire_as(gloo_factor),
                               "kinds": sorted({kind for kind, _ in counted.by_kind}), "calls": counted.calls,
                               "priced": priced,
-                              "density": trainer.model[0]._higgs.config.density(trainer.iteration - 1)})
+                              "density": trainer.model[0]._higgs.schedule.density(trainer.iteration - 1)})
         finally:
             HiggsBucketGroup.finish_grad_sync = original
         trainer.close()
