@@ -16,6 +16,7 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, field
 
+from .compat.versions import ALLOW_FLAG
 from .compress.payload import PAYLOADS
 from .field_flags import add_field_flags, field_flag, field_values
 from .field_flags import flag_metadata as _flag
@@ -221,6 +222,9 @@ def add_higgs_args(parser: argparse.ArgumentParser, weight_hash_check: bool = Tr
     g.add_argument("--use-higgs", action="store_true",
                    help="replace Megatron's DP gradient reduction with top-k + error feedback")
     add_field_flags(g, HiggsConfig)
+    g.add_argument(ALLOW_FLAG, action="store_true",
+                   help="run on a megatron-core release higgs-megatron is not tested with (a warning says so; the "
+                        "private symbols it relies on are checked all the same)")
     if weight_hash_check:
         g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                        help="every N iterations verify that all DP replicas hold identical parameters")
@@ -229,7 +233,8 @@ def add_higgs_args(parser: argparse.ArgumentParser, weight_hash_check: bool = Tr
 
 def compression_flags_given(args: argparse.Namespace) -> list[str]:
     """``add_higgs_args``' flags given in ``args`` that only mean something with ``--use-higgs``."""
-    return flags_given(args, add_higgs_args(argparse.ArgumentParser(), weight_hash_check=False), skip=("use_higgs",))
+    return flags_given(args, add_higgs_args(argparse.ArgumentParser(), weight_hash_check=False),
+                       skip=("use_higgs", "higgs_allow_untested_megatron"))
 
 
 def flag_of(field_name: str) -> str:

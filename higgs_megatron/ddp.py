@@ -120,6 +120,14 @@ class HiggsConfigurationError(ValueError):
     """A model or DDP setting that the compressed sync does not support."""
 
 
+# DDP options whose reduction is Megatron's own, which HiggsBucketGroup replaces: refused, never
+# ignored. Field -> Megatron-LM's flag. (The second is megatron-core 0.19's.)
+UNSUPPORTED_DDP_OPTIONS = {
+    "reduce_scatter_with_fp32_accumulation": "--ddp-reduce-scatter-with-fp32-accumulation",
+    "param_name_patterns_for_fp32_local_accumulation": "--ddp-param-name-patterns-for-fp32-local-accumulation",
+}
+
+
 @dataclass
 class SyncStats:
     """Totals since the last ``HiggsDDP.take_stats()``. ``bytes_sent``/``dense_bytes``: bytes this
@@ -288,6 +296,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         # Megatron's returns at once for several instances (its collectives are synchronous on
         # the communication stream); ours leave a handle, whose wait also decompresses.
         self.param_gather_dispatched = False
+        if self.ddp_config.overlap_grad_reduce and getattr(self, "grad_reduce_finished", False):
+            return  # megatron-core 0.19: a second call in an iteration is a no-op
         if not self.ddp_config.overlap_grad_reduce or self.is_first_batch:
             self.start_grad_sync(force_all_reduce=force_all_reduce)
         if self.grad_reduce_handle is not None:
@@ -296,15 +306,18 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             self.grad_reduce_handle = None
         if self._instance_comm_stream is not None:
             torch.cuda.current_stream().wait_stream(self._instance_comm_stream)
+        if hasattr(self, "grad_reduce_finished"):  # megatron-core 0.19's flag (its reset() clears it)
+            self.grad_reduce_finished = True
 
     def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
-        with self._instance_stream():
+        with self._instance_stream(), torch.no_grad():  # it changes gradient buffers: nothing for autograd
             self._start_grad_sync(force_all_reduce)
 
     def _start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # Megatron's first-batch re-entry: already launched
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+        self._wait_for_graph_replays()
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
             self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
                              check_for_large=self.ddp_config.check_for_large_grads)
@@ -353,6 +366,15 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             handle.wait()
             self.grad_reduce_handle = None
 
+    def _wait_for_graph_replays(self) -> None:
+        """megatron-core 0.19: a local CUDA graph's replay writes its parameters' gradients
+        asynchronously to backward's hooks, and marks the end with an event on each; the
+        current stream waits for those before the bucket is read (no host wait)."""
+        events = {id(event): event for bucket in self.buckets for param in bucket.params_list
+                  if (event := getattr(param, "_cudagraph_wgrad_ready_event", None)) is not None}
+        for event in events.values():
+            torch.cuda.current_stream().wait_event(event)
+
     def _on_sync_done(self) -> None:
         if self.higgs.trace is not None:
             self.higgs.trace.append(("finish", self.higgs_index))
@@ -387,6 +409,10 @@ class HiggsDDP(DistributedDataParallel):
                  **kwargs) -> None:
         if ddp_config.use_megatron_fsdp or ddp_config.use_custom_fsdp:
             raise HiggsConfigurationError("HiggsDDP replaces DDP's reduction; Megatron FSDP is not supported")
+        for name, flag in UNSUPPORTED_DDP_OPTIONS.items():
+            if getattr(ddp_config, name, None):
+                raise HiggsConfigurationError(f"HiggsDDP does not support DistributedDataParallelConfig.{name} "
+                                              f"(Megatron-LM's {flag}): its reduction is Megatron's own")
         super().__init__(config, ddp_config, module, **kwargs)
         if self.expert_parallel_bucket_groups:
             raise HiggsConfigurationError(

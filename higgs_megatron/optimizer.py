@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -38,13 +39,6 @@ from .grad_paths import DensitySchedule
 from .stability.alignment import StepDecision, Verdict
 from .stability.progress import job_store
 from .stability.regroup import rebuild_process_groups
-
-_DELEGATED = (
-    "get_parameters", "get_main_grads_for_grad_norm", "get_grad_stats_parallel_group", "prepare_grads",
-    "step_with_ready_grads", "get_grad_norm", "clip_grad_norm", "count_zeros", "zero_grad", "get_loss_scale",
-    "scale_loss", "reload_model_params", "offload_to_cpu", "restore_from_cpu",
-)
-
 
 class HiggsOptimizer(MegatronOptimizer):
     """A delegating MegatronOptimizer; see the module docstring."""
@@ -158,8 +152,12 @@ def _delegate(name: str):
     return method
 
 
-for _name in _DELEGATED:
-    setattr(HiggsOptimizer, _name, _delegate(_name))
+# Every public method of the installed release's MegatronOptimizer that the wrapper does not
+# define goes to the wrapped optimizer: a method a release adds (0.19's
+# ``prepare_model_params_for_param_sync``) reaches it too, not the base class's no-op.
+for _name, _value in vars(MegatronOptimizer).items():
+    if not _name.startswith("_") and inspect.isfunction(_value) and _name not in vars(HiggsOptimizer):
+        setattr(HiggsOptimizer, _name, _delegate(_name))
 HiggsOptimizer.__abstractmethods__ = frozenset()
 
 

@@ -3,6 +3,7 @@
 # corpus, then a summary table. Extra arguments go to scripts/demo.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv.sh
 scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/python scripts/demo.py "$@"
+exec "$VENV/bin/python" scripts/demo.py "$@"

@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller,
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from ..compat.checkpointing import async_save_options, is_megatron_writer
 from ..device import HostCopy, request_event
 from .manifest import CheckpointError
 from .save import (PendingCheckpoint, SaveResult, begin, commit, common_files, crc32_skipped, first_line,
@@ -147,13 +148,14 @@ class AsyncCheckpointer:
                 if isinstance(v, ShardedBase) and isinstance(getattr(v, "data", None), torch.Tensor)}
         with thread_results_queue():  # this save's own: a failed save leaves nothing for the next
             request = dist_checkpointing.save(state, str(snapshot.directory), sharded_strategy=self.strategy,
-                                              validate_access_integrity=not self.validated, async_sharded_save=True)
+                                              validate_access_integrity=not self.validated, async_sharded_save=True,
+                                              **async_save_options())
         self.validated = True
         self._hashes = None
         if request.async_fn is not None:
-            write = request.async_fn  # partial(write_preloaded_data_multiproc, transform_list, use_msc)
-            if getattr(write, "func", None) != FileSystemWriterAsync.write_preloaded_data_multiproc:
-                raise RuntimeError(f"unexpected megatron-core async writer {write!r} (megatron-core is pinned)")
+            write = request.async_fn  # partial(<megatron-core's multi-bucket writer>, transform_list, use_msc)
+            if not is_megatron_writer(write):
+                raise RuntimeError(f"unexpected megatron-core async writer {write!r} (see higgs_megatron.compat)")
             device = torch.cuda.current_device() if torch.cuda.is_available() else None
             request = request._replace(
                 async_fn=partial(self._write_and_hash, write.args[0], snapshot.directory),

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
 
+from ..compat.versions import unreadable_checkpoint
 from ..ddp import HiggsDDP
 from .manifest import (CHECKPOINT_NAME, LATEST, MANIFEST_NAME, CheckpointError, Layout, Manifest, ShardRecord,
                        committed_checkpoints, current_layout, verify_files)
@@ -291,6 +292,9 @@ def validated_checkpoint(load_dir: str | Path, version: int | None, recovery_mod
     if path is None:
         return None
     manifest = Manifest.read(path)
+    unreadable = unreadable_checkpoint(manifest.versions.get("megatron_core", "0.0.0"))
+    if unreadable:
+        raise CheckpointError(f"{path}: {unreadable}")
     differences = check_layout(path, manifest.layout, layout, recovery_mode, recorded_vocab(manifest, vocab), vocab)
     agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()), f"{path} failed its integrity check")
     return LoadResult(path=path, manifest=manifest, resharded=bool(differences), warning=warning,

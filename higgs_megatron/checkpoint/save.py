@@ -50,6 +50,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from .. import __version__
+from ..compat.checkpointing import writer_errors
+from ..compat.versions import megatron_core_version
 from .manifest import (CHECKPOINT_NAME, LATEST, CheckpointError, FileRecord, Manifest, RankRecord, ShardRecord,
                        committed_checkpoints, current_coords, current_layout, sha256_of)
 from .state import TrainingState, saved_state
@@ -69,12 +71,6 @@ def common_files(rank: int, directory: Path) -> list[Path]:
 
 def hash_files(paths: list[Path]) -> list[FileRecord]:
     return [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size) for p in paths]
-
-
-def megatron_core_version() -> str:
-    from megatron.core import __version__ as version
-
-    return version
 
 
 @dataclass
@@ -245,11 +241,13 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: in
     state, shards = saved_state(training)
     error, files = None, []
     try:
-        with crc32_skipped(), thread_results_queue():
+        with crc32_skipped(), thread_results_queue(), writer_errors() as logged:
             dist_checkpointing.save(state, str(pending.directory))
         files = hash_files(shard_files(rank, pending.directory) + common_files(rank, pending.directory))
     except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
-        error = f"rank {rank}: {type(exc).__name__}: {first_line(exc)}"
+        said = first_line(exc)
+        error = f"rank {rank}: {type(exc).__name__}: {said}" + "".join(
+            f"; {line}" for line in dict.fromkeys(logged) if line not in said)
     return commit(pending, shards, files, error)
 
 

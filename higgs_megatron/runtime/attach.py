@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core.utils import get_model_config
 
 from ..checkpoint.interval import SaveSchedule
+from ..ddp import HiggsConfigurationError, HiggsDDP
 from ..logs import get_logger
 from ..memory import MemoryManager
 from ..optimizer import wrap_optimizer
@@ -51,6 +52,13 @@ class Runtime:
         self.events = events
         self.iteration = 0  # the iteration ``step`` runs (or last ran)
         if config.compression is not None:
+            if not any(isinstance(chunk, HiggsDDP) for chunk in model_chunks):
+                # a front-end whose Megatron built its DDP another way (0.19's model builders): never a
+                # dense run under a compressed run's name
+                raise HiggsConfigurationError(
+                    "--use-higgs: none of the model chunks is a HiggsDDP (Megatron built "
+                    f"{', '.join(sorted({type(chunk).__name__ for chunk in model_chunks}))}); the gradient sync "
+                    "would be Megatron's own")
             optimizer = wrap_optimizer(optimizer, model_chunks)
             optimizer.on_skip.append(self._skipped)
         self.optimizer = optimizer

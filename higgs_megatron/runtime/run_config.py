@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..checkpoint.flags import CheckpointConfig, checkpoint_config_from_args
+from ..compat.symbols import SymbolMismatch, check_symbols
+from ..compat.versions import UntestedMegatron, check_megatron_core
 from ..config import HiggsConfig, compression_flags_given, higgs_config_from_args
 from ..memory.flags import MemoryConfig, memory_config_from_args, offload_flags_given
 from ..stability.flags import StabilityConfig, stability_config_from_args
@@ -110,7 +112,14 @@ def run_config_from_args(args: argparse.Namespace, front_end: str, world_size: i
     """The rules, then the tree; ``UsageError`` naming the flag. ``train_iters`` and
     ``lr_warmup_iters`` are the run's length as the front-end counts it (the compression
     schedule is cut from it); ``world_size`` None leaves injected faults' ranks unchecked.
-    Changes nothing on ``args``."""
+    Changes nothing on ``args``. First of all, the installed megatron-core: a release not
+    tested (unless ``--higgs-allow-untested-megatron``), or one whose private symbols we rely on
+    changed (whatever the flags), is refused here, before any process group exists."""
+    try:
+        check_megatron_core(getattr(args, "higgs_allow_untested_megatron", False))
+        check_symbols()
+    except (UntestedMegatron, SymbolMismatch) as error:
+        raise UsageError(str(error)) from None
     check_rules(args, front_end)
     try:
         return RunConfig(

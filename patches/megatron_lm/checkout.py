@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from importlib import metadata
 import sys
 import warnings
 from pathlib import Path
@@ -57,6 +58,11 @@ def check_checkout(path: str | Path | None, allow_untested: bool = False) -> Pat
     for needed in ("pretrain_gpt.py", "megatron/training/training.py"):
         if not (path / needed).is_file():
             raise CheckoutError(f"Megatron-LM checkout {path}: {needed} is missing; is this a Megatron-LM checkout?")
+    installed = metadata.version("megatron-core").split("+")[0]  # not through higgs_megatron: it imports megatron
+    if installed != TESTED_VERSION and not allow_untested:
+        raise CheckoutError(f"the installed megatron-core is {installed}; the Megatron-LM patches run on megatron-core "
+                            f"{TESTED_VERSION} (Python 3.11) with a checkout at {TESTED_TAG}; under megatron-core "
+                            f"{installed} Megatron-LM's front-end is not supported yet (docs/megatron_compat.md)")
     version = checkout_version(path)
     if version != TESTED_VERSION:
         message = (f"Megatron-LM checkout {path} is version {version}; these patches are tested with "

@@ -31,6 +31,7 @@ def _global(outs, field):
     return assembled
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("world_size,layout,higgs", [
     pytest.param(2, [], [], id="dp2-dense"),
     pytest.param(2, [], HIGGS, id="dp2-higgs"),
@@ -61,6 +62,7 @@ def test_resume_continues_bitwise(tmp_path, world_size, layout, higgs, tiny_gpt_
         assert torch.equal(final_a[key], final_b[key]), key
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("world_size,layout", [
     pytest.param(2, [], id="dp2-dense"),
     pytest.param(2, ["--use-distributed-optimizer"] + HIGGS, id="dp2-distopt-higgs"),
@@ -99,6 +101,7 @@ def test_async_host_copy_in_the_background_is_done_before_the_next_update(tmp_pa
         assert torch.equal(final_a[key], final_b[key]), key
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("save_layout,load_layout,load_world", [
     pytest.param(["--tensor-model-parallel-size", "2"], [], 2, id="tp2-to-dp2"),
     pytest.param(["--pipeline-model-parallel-size", "2"], [], 2, id="pp2-to-dp2"),
@@ -120,6 +123,7 @@ def test_reshard_restores_global_model_and_moments(tmp_path, save_layout, load_l
     assert resumed[-1]["start"] == 3 and losses[-1] < losses[0] + 0.5
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("optimizer", [pytest.param([], id="adam"),
                                        pytest.param(["--use-distributed-optimizer"], id="distopt")])
 def test_reshard_across_a_vocabulary_padding_change(tmp_path, optimizer, tiny_gpt_args):
@@ -169,6 +173,7 @@ def test_owner_written_optimizer_state_equals_megatrons_gathered_one(world_size,
     assert all(written), f"every DP rank writes some of the state: {written}"
 
 
+@pytest.mark.oracle
 def test_same_sharding_refuses_a_changed_layout_naming_each_difference(tmp_path, tiny_gpt_args):
     base = tiny_gpt_args + COMMON
     proc = run_pretrain_script(base + ["--tensor-model-parallel-size", "2", "--train-iters", "2",
@@ -312,6 +317,7 @@ def _record_crcs(directory) -> set[int]:
     return crcs
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("mode", [pytest.param([], id="sync"), pytest.param(["--async-checkpoint"], id="async")])
 def test_a_failed_save_commits_nothing_training_goes_on_and_a_second_in_a_row_ends_the_run(tmp_path, mode,
                                                                                           tiny_gpt_args):

@@ -4,6 +4,7 @@ the launcher's refusals. (Runs of a real checkout: tests/megatron_lm/drill_megat
 
 import argparse
 import sys
+import types
 
 import pytest
 
@@ -35,6 +36,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer-cpu-offload", action="store_true")
     parser.add_argument("--log-params-norm", action="store_true")
     parser.add_argument("--calculate-per-token-loss", action="store_true")
+    parser.add_argument("--ddp-reduce-scatter-with-fp32-accumulation", action="store_true")
+    parser.add_argument("--ddp-param-name-patterns-for-fp32-local-accumulation", nargs="+", default=[])
     parser.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                         dest="check_for_nan_in_loss_and_grad")
     return parser
@@ -97,6 +100,9 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--ckpt-step", "0", "--load", "/x"], r"--ckpt-step 0: expected an iteration, 1 or more"),
     (["--non-persistent-save-interval", "5"], r"--non-persistent-save-interval: .*not with --use-higgs"),
     (["--optimizer", "muon"], r"--optimizer muon"),
+    (["--ddp-reduce-scatter-with-fp32-accumulation"], r"--ddp-reduce-scatter-with-fp32-accumulation: .*not with"),
+    (["--ddp-param-name-patterns-for-fp32-local-accumulation", "*.weight"],
+     r"--ddp-param-name-patterns-for-fp32-local-accumulation: .*not with --use-higgs"),
     (["--higgs-dense-iters", "2", "--higgs-freeze-adam-variance", "--optimizer", "sgd"],
      r"--higgs-freeze-adam-variance: needs --optimizer adam"),  # the rules table, as in our script
     (["--checkpoint-version", "3", "--load", "/x", "--ckpt-step", "4"], r"disagree"),
@@ -160,7 +166,15 @@ def test_dense_sync_keeps_megatron_lms_optimizer_format():
     assert not args.dist_ckpt_optim_fully_reshardable and not args.async_save and args.ckpt_step is None
 
 
-def test_checkout_version_check(tmp_path, write_checkout):
+def _installed(monkeypatch, version: str) -> None:
+    """The megatron-core the checkout check reads as installed (either supported release is installed in CI)."""
+    import megatron_lm.checkout as checkout
+
+    monkeypatch.setattr(checkout, "metadata", types.SimpleNamespace(version=lambda name: version))
+
+
+def test_checkout_version_check(tmp_path, write_checkout, monkeypatch):
+    _installed(monkeypatch, "0.16.1")
     good = write_checkout(tmp_path / "good")
     assert checkout_version(good) == "0.16.1" and check_checkout(good) == good.resolve()
     old = write_checkout(tmp_path / "old", (0, 15, 0))
@@ -173,6 +187,13 @@ def test_checkout_version_check(tmp_path, write_checkout):
         check_checkout(tmp_path / "absent")
     with pytest.raises(CheckoutError, match="pretrain_gpt.py is missing"):
         check_checkout(tmp_path)
+
+
+def test_the_patches_refuse_megatron_core_0_19_naming_it(tmp_path, write_checkout, monkeypatch):
+    _installed(monkeypatch, "0.19.2")
+    with pytest.raises(CheckoutError, match=r"the installed megatron-core is 0.19.2; the Megatron-LM patches run on "
+                                            r"megatron-core 0.16.1 .*not supported yet"):
+        check_checkout(write_checkout(tmp_path / "good"))
     with pytest.raises(CheckoutError, match="MEGATRON_LM_PATH"):
         check_checkout(None)
 

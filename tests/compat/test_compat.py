@@ -1,0 +1,96 @@
+"""The compatibility boundary (``higgs_megatron.compat``): the version check, the symbol check
+against the installed megatron-core, the one rebind helper. One process."""
+
+import argparse
+import logging
+import sys
+import types
+
+import pytest
+
+from higgs_megatron.compat import symbols, versions
+from higgs_megatron.compat.rebind import Rebinds, rebound
+from higgs_megatron.compat.symbols import Symbol, check_symbols, symbol_problems
+from higgs_megatron.compat.versions import UntestedMegatron, check_megatron_core, supported, unreadable_checkpoint
+from higgs_megatron.runtime.exits import UsageError
+from higgs_megatron.runtime.run_config import PRETRAIN, run_config_from_args
+from higgs_megatron.training.arguments import build_parser
+
+
+def test_the_supported_releases_are_one_exact_and_one_series():
+    assert supported("0.16.1") and supported("0.19.2") and supported("0.19.0")
+    assert not supported("0.16.0") and not supported("0.17.0") and not supported("0.20.1")
+    assert supported(versions.megatron_core_version()), "the installed release is one we test"
+
+
+def test_an_untested_release_is_refused_naming_it_unless_asked_then_said(caplog):
+    with pytest.raises(UntestedMegatron, match=r"megatron-core 0.17.1 is installed; .*0.16.1 and 0.19.x.*"
+                                               r"--higgs-allow-untested-megatron"):
+        check_megatron_core(version="0.17.1")
+    with caplog.at_level(logging.WARNING, logger=versions.__name__):
+        assert check_megatron_core(allow_untested=True, version="0.17.1") == "0.17.1"
+    assert "running anyway (--higgs-allow-untested-megatron)" in caplog.text
+
+
+def test_every_private_symbol_we_rely_on_is_as_expected_in_the_installed_release():
+    assert symbol_problems() == []
+
+
+def test_a_missing_or_reshaped_symbol_is_named():
+    module = types.ModuleType("fake_megatron_module")
+    module.Group = type("Group", (), {"start_grad_sync": lambda self, other: None})
+    sys.modules[module.__name__] = module
+    try:
+        reshaped = Symbol("fake_megatron_module:Group.start_grad_sync", ("self", "force_all_reduce"), "overridden")
+        missing = Symbol("fake_megatron_module:Group.finish_grad_sync", None, "overridden too")
+        problems = symbol_problems([reshaped, missing])
+        assert problems == ["fake_megatron_module:Group.start_grad_sync takes (self, other); expected "
+                            "(self, force_all_reduce, ...) (overridden)",
+                            "fake_megatron_module:Group.finish_grad_sync is missing (overridden too)"]
+        with pytest.raises(symbols.SymbolMismatch, match="finish_grad_sync is missing"):
+            check_symbols([missing])
+    finally:
+        del sys.modules[module.__name__]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1",
+                                      "--seq-length", "8", "--micro-batch-size", "1", *argv])
+
+
+def test_a_front_end_refuses_an_untested_release_before_anything_else(monkeypatch):
+    monkeypatch.setattr(versions, "megatron_core_version", lambda: "0.18.0")
+    with pytest.raises(UsageError, match=r"megatron-core 0.18.0 is installed"):
+        run_config_from_args(_args("--use-higgs"), PRETRAIN, 2, 10, 0)
+    assert run_config_from_args(_args("--use-higgs", "--higgs-allow-untested-megatron"), PRETRAIN, 2, 10, 0)
+
+
+def test_the_flag_never_skips_the_symbol_check(monkeypatch):
+    monkeypatch.setattr(symbols, "MEGATRON_CORE", (Symbol("megatron.core.distributed:NoSuchClass", None, "needed"),))
+    with pytest.raises(UsageError, match=r"megatron.core.distributed:NoSuchClass is missing \(needed\)"):
+        run_config_from_args(_args("--use-higgs", "--higgs-allow-untested-megatron"), PRETRAIN, 2, 10, 0)
+
+
+def test_rebinds_keep_the_first_original_and_restore_everything():
+    owner = types.SimpleNamespace(run=lambda: "original", build="plain")
+    first = owner.run
+    rebinds = Rebinds()
+    rebinds.rebind(owner, "run", lambda: "wrapped")
+    rebinds.rebind(owner, "run", lambda: "wrapped again")
+    rebinds.rebind(owner, "build", "patched")
+    assert owner.run() == "wrapped again" and rebinds.original(owner, "run") is first
+    assert rebinds.rebound(owner, "build") and not rebinds.rebound(owner, "other")
+    rebinds.restore()
+    assert owner.run is first and owner.build == "plain" and not rebinds.rebound(owner, "run")
+    with rebound([(owner, "build", "scoped")]):
+        assert owner.build == "scoped"
+    assert owner.build == "plain"
+
+
+def test_a_checkpoint_of_a_newer_release_is_refused_naming_both_an_older_ones_is_read():
+    assert unreadable_checkpoint("0.16.1", running="0.19.2") is None
+    assert unreadable_checkpoint("0.19.0", running="0.19.2") is None
+    assert unreadable_checkpoint("0.19.2+abc", running="0.19.0") is None
+    problem = unreadable_checkpoint("0.19.2", running="0.16.1")
+    assert problem.startswith("it was written under megatron-core 0.19.2, newer than this run's 0.16.1")
+    assert "resume with megatron-core 0.19" in problem
