@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
 
-from ..compat.versions import unreadable_checkpoint
+from ..compat.versions import MEGATRON_CORE_VERSION
 from ..ddp import HiggsDDP
 from .manifest import (CHECKPOINT_NAME, LATEST, MANIFEST_NAME, CheckpointError, Layout, Manifest, ShardRecord,
                        committed_checkpoints, current_layout, verify_files)
@@ -282,6 +282,18 @@ def agree(local_problems: list[str], what: str) -> None:
         raise CheckpointError(f"{what}:\n  " + "\n  ".join(problems))
 
 
+def newer_release(written_by: str, running: str = MEGATRON_CORE_VERSION) -> str | None:
+    """Why a checkpoint written under megatron-core ``written_by`` cannot be loaded under
+    ``running`` (None: it can). A release reads its elders' checkpoints, not newer ones: from
+    0.17 the common state is no longer a ``common.pt`` of its own, which 0.16 looks for."""
+    def minor(version: str) -> tuple[int, ...]:
+        return tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in version.split(".")[:2])
+    if minor(written_by) > minor(running):
+        return (f"it was written under megatron-core {written_by}, newer than this run's {running}, which cannot "
+                f"read it: resume under megatron-core {'.'.join(written_by.split('.')[:2])} (Python 3.12 for 0.19)")
+    return None
+
+
 def validated_checkpoint(load_dir: str | Path, version: int | None, recovery_mode: str, layout: Layout,
                          vocab: dict | None, pointer: str = LATEST) -> LoadResult | None:
     """Both front-ends' first steps of a load, collective: choose the checkpoint
@@ -292,7 +304,7 @@ def validated_checkpoint(load_dir: str | Path, version: int | None, recovery_mod
     if path is None:
         return None
     manifest = Manifest.read(path)
-    unreadable = unreadable_checkpoint(manifest.versions.get("megatron_core", "0.0.0"))
+    unreadable = newer_release(manifest.versions.get("megatron_core", "0.0"))
     if unreadable:
         raise CheckpointError(f"{path}: {unreadable}")
     differences = check_layout(path, manifest.layout, layout, recovery_mode, recorded_vocab(manifest, vocab), vocab)

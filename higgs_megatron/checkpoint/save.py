@@ -51,7 +51,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from .. import __version__
 from ..compat.checkpointing import writer_errors
-from ..compat.versions import megatron_core_version
+from ..compat.versions import MEGATRON_CORE_VERSION
 from .manifest import (CHECKPOINT_NAME, LATEST, CheckpointError, FileRecord, Manifest, RankRecord, ShardRecord,
                        committed_checkpoints, current_coords, current_layout, sha256_of)
 from .state import TrainingState, saved_state
@@ -137,7 +137,7 @@ def commit(pending: PendingCheckpoint, shards: list[ShardRecord], files: list[Fi
             iteration=pending.iteration, consumed_samples=pending.consumed_samples,
             layout=current_layout(pending.use_distributed_optimizer),
             ranks=[r for r, _ in gathered], higgs=pending.higgs,
-            versions={"higgs_megatron": __version__, "megatron_core": megatron_core_version(), "torch": torch.__version__},
+            versions={"higgs_megatron": __version__, "megatron_core": MEGATRON_CORE_VERSION, "torch": torch.__version__},
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"), vocab=pending.vocab,
         ).write(pending.directory)
         if not pending.in_place:

@@ -28,6 +28,9 @@ def megatron_core_version() -> str:
     return metadata.version("megatron-core").split("+")[0]
 
 
+MEGATRON_CORE_VERSION = megatron_core_version()  # read once: what a save records, what a load compares with
+
+
 def series(version: str) -> str:
     """``MAJOR.MINOR`` of a release."""
     return ".".join(version.split(".")[:2])
@@ -51,15 +54,3 @@ def check_megatron_core(allow_untested: bool = False, version: str | None = None
     log.warning(f" WARNING: {message}; running anyway ({ALLOW_FLAG})")
     return version
 
-
-def unreadable_checkpoint(written_by: str, running: str | None = None) -> str | None:
-    """Why a checkpoint written under megatron-core ``written_by`` cannot be loaded under the
-    installed release (None: it can). Releases read their elders' checkpoints, not newer ones:
-    from 0.17 the common state is no longer a ``common.pt`` of its own, which 0.16 looks for."""
-    running = running or megatron_core_version()
-    newer = tuple(int(part) for part in series(written_by.split("+")[0]).split(".")) > \
-        tuple(int(part) for part in series(running).split("."))
-    if newer:
-        return (f"it was written under megatron-core {written_by}, newer than this run's {running}, which "
-                f"cannot read it: resume with megatron-core {series(written_by)} (Python 3.12 for 0.19)")
-    return None

@@ -122,3 +122,13 @@ def test_choose_checkpoint_refuses_what_it_cannot_trust_when_nothing_is_committe
     (tmp_path / "iter_0000004").mkdir()  # written without a rank map
     with pytest.raises(CheckpointError, match="iter_0000004 has no rank map"):
         choose_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_of_a_newer_megatron_core_is_refused_naming_both_an_older_ones_is_read():
+    from higgs_megatron.checkpoint.load import newer_release
+
+    assert newer_release("0.16.1", running="0.19.2") is None
+    assert newer_release("0.19.0", running="0.19.2") is None and newer_release("0.19.2+abc", running="0.19.0") is None
+    problem = newer_release("0.19.2", running="0.16.1")
+    assert problem.startswith("it was written under megatron-core 0.19.2, newer than this run's 0.16.1")
+    assert "resume under megatron-core 0.19" in problem
