@@ -80,7 +80,12 @@ def main(argv: list[str]) -> int:
 
     exits = importlib.import_module("higgs_megatron.runtime.exits")  # after the checkout: it imports megatron
     if patched:
-        importlib.import_module(f"{_PATCHES}.install").install()
+        symbols = importlib.import_module("higgs_megatron.compat.symbols")
+        try:
+            importlib.import_module(f"{_PATCHES}.install").install()
+        except symbols.SymbolMismatch as error:  # named before anything is rebound or run
+            _say(f"run_pretrain_gpt.py: error: {error}")
+            return 2
     script = checkout / "pretrain_gpt.py"
     sys.argv = [str(script), *rest]
 

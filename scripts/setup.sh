@@ -15,4 +15,4 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[test${EXTRAS:+,$EXTRAS}]"
-"$VENV/bin/python" -W ignore -c "import higgs_megatron, megatron.core, torch; print(f'higgs-megatron {higgs_megatron.__version__}, megatron-core {megatron.core.__version__}, torch {torch.__version__}')"
+"$VENV/bin/python" -W ignore -c "import higgs_megatron, torch; from higgs_megatron.compat.versions import MEGATRON_CORE_VERSION as core; print(f'higgs-megatron {higgs_megatron.__version__}, megatron-core {core}, torch {torch.__version__}')"

@@ -4,7 +4,8 @@ Megatron-LM's ``megatron.training.training`` imports by name what it builds a ru
 (``DDP``, ``get_megatron_optimizer``, ``save_checkpoint``, ``load_checkpoint``,
 ``train_step``, ``checkpoint_and_decide_exit``); rebinding those names in that module, before
 ``pretrain()`` uses them, changes what it builds without editing or copying its code.
-Nothing is rebound for good: every original is kept and ``uninstall()`` restores it.
+Nothing is rebound for good: every original is kept (``higgs_megatron.compat.rebind``) and
+``uninstall()`` restores it.
 
 Two stages:
 
@@ -47,6 +48,8 @@ import megatron.training.initialize as initialize
 import megatron.training.training as training
 
 from higgs_megatron import HiggsConfig, HiggsDDP
+from higgs_megatron.compat.rebind import Rebinds
+from higgs_megatron.compat.symbols import Symbol, check_symbols
 from higgs_megatron.ddp import sync_traffic
 from higgs_megatron.logs import get_logger, setup_logging
 from higgs_megatron.memory.flags import apply_block_allocator
@@ -62,30 +65,40 @@ from .arguments import chain_args_providers, translate_args
 from .rank_map import RankMapHooks
 from .stability import MegatronLMWriters, StepRunner
 
-_originals: dict[tuple[Any, str], Any] = {}
-
-
 log = get_logger("higgs_megatron.patches.install")
 
-def _rebind(owner: Any, name: str, value: Any) -> None:
-    _originals.setdefault((owner, name), getattr(owner, name))
-    setattr(owner, name, value)
+_rebinds = Rebinds()  # every name the patches rebind, and what it was (``higgs_megatron.compat.rebind``)
+_rebind = _rebinds.rebind
+original = _rebinds.original  # what ``owner.name`` was before the patches
+uninstall = _rebinds.restore  # put every rebound name back
 
-
-def original(owner: Any, name: str) -> Any:
-    """What ``owner.name`` was before the patches."""
-    return _originals.get((owner, name), getattr(owner, name))
-
-
-def uninstall() -> None:
-    """Put every rebound name back."""
-    for (owner, name), value in _originals.items():
-        setattr(owner, name, value)
-    _originals.clear()
+_T, _C, _I = "megatron.training.training", "megatron.training.checkpointing", "megatron.training.initialize"
+# What the rebinding below relies on in Megatron-LM's training code (higgs_megatron.compat.symbols),
+# checked by ``install`` before anything is rebound, with megatron-core's own.
+MEGATRON_LM_SYMBOLS = (
+    Symbol(f"{_T}:pretrain", ("train_valid_test_dataset_provider", "model_provider", "model_type",
+                              "forward_step_func"), "our flags join its extra_args_provider"),
+    Symbol(f"{_I}:parse_args", ("extra_args_provider", "ignore_unknown_args"), "our flags are checked right after it"),
+    Symbol(f"{_T}:DDP", ("config", "ddp_config", "module"), "rebound to HiggsDDP"),
+    Symbol(f"{_T}:get_megatron_optimizer", ("config", "model_chunks"), "rebound: the runtime attaches to its optimizer"),
+    Symbol(f"{_T}:train_step", ("forward_step_func", "data_iterator", "model", "optimizer"),
+           "rebound: each iteration runs under the stability layer"),
+    Symbol(f"{_T}:save_checkpoint", ("iteration", "model", "optimizer", "opt_param_scheduler"),
+           "rebound: the rank map and its commit"),
+    Symbol(f"{_T}:load_checkpoint", ("ddp_model", "optimizer", "opt_param_scheduler", "load_arg"),
+           "rebound: the rank map's validation"),
+    Symbol(f"{_C}:generate_state_dict", ("args", "model", "optimizer", "opt_param_scheduler", "rng_state"),
+           "rebound: the residuals join the state"),
+    Symbol(f"{_C}:schedule_async_save", ("async_request",), "rebound: an async save commits after its writers"),
+    Symbol(f"{_T}:checkpoint_and_decide_exit", ("model", "optimizer", "opt_param_scheduler", "iteration"),
+           "rebound with --checkpoint-interval"),
+)
 
 
 def install() -> None:
-    """Stage 1 (see the module docstring)."""
+    """Stage 1 (see the module docstring). Raises ``SymbolMismatch`` naming what Megatron-LM's
+    code or megatron-core lacks of what the patches rely on, before anything is rebound."""
+    check_symbols(MEGATRON_LM_SYMBOLS)
     _rebind(megatron_training, "pretrain", _pretrain)
     _rebind(training, "pretrain", _pretrain)
     _rebind(initialize, "parse_args", _parse_args)

@@ -282,3 +282,29 @@ def test_sigterm_under_megatron_lms_exit_signal_handler_commits_the_rank_map_and
     assert "iter_0000003: rank map and" in resumed and "(same sharding)" in resumed, resumed[-3000:]
     assert sorted(iterations(resumed)) == [4, 5, 6]
     assert_same_checkpoint(tmp_path, "iter_0000006")
+
+
+SYMBOLS_CHECK = """
+import sys
+sys.path.insert(0, {patches!r})
+from megatron_lm.checkout import use_checkout, check_checkout
+use_checkout(check_checkout({checkout!r}))
+from megatron_lm.install import MEGATRON_LM_SYMBOLS
+from higgs_megatron.compat.symbols import Symbol, symbol_problems
+assert symbol_problems(MEGATRON_LM_SYMBOLS) == [], symbol_problems(MEGATRON_LM_SYMBOLS)
+reshaped = Symbol("megatron.training.training:pretrain", ("cfg_container",), "as 0.19 has it")
+print(symbol_problems([reshaped])[0])
+"""
+
+
+def test_what_the_patches_rebind_is_as_they_rely_on_and_a_change_is_named():
+    """The checkout's training code has every symbol the patches rebind, with the parameters
+    they pass; a reshaped one (0.19's ``pretrain(cfg_container, ...)``) is named."""
+    import subprocess
+    import sys
+
+    script = SYMBOLS_CHECK.format(patches=str(REPO_ROOT / "patches"), checkout=CHECKOUT)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith(
+        "megatron.training.training:pretrain takes (train_valid_test_dataset_provider, model_provider")
