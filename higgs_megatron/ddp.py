@@ -66,6 +66,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
+from .compat.buckets import GRAPH_REPLAY_EVENT, WAITS_FOR_GRAPH_REPLAYS
 from .compress.agreed import AgreedPlan, ScoreBuffer
 from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, Selector, make_selector
 from .config import HiggsConfig
@@ -317,7 +318,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # Megatron's first-batch re-entry: already launched
         assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
-        self._wait_for_graph_replays()
+        if WAITS_FOR_GRAPH_REPLAYS:
+            self._wait_for_graph_replays()
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
             self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
                              check_for_large=self.ddp_config.check_for_large_grads)
@@ -329,8 +331,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 bucket.grad_data *= bucket.gradient_scaling_factor
         overlap = self.ddp_config.overlap_grad_reduce
         average = self.ddp_config.average_in_collective
-        density = shared.schedule.density(self.higgs_steps)
-        dense = force_all_reduce or shared.schedule.dense_stage(self.higgs_steps)
+        density, dense = shared.schedule.at(self.higgs_steps)
+        dense = dense or bool(force_all_reduce)
         distributed_optimizer = self.ddp_config.use_distributed_optimizer
         launch = StepLaunch(
             stats=SyncStats(density=density if shared.selector is not None else 1.0),
@@ -340,7 +342,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             sums=[] if shared.check_nonfinite else None, comm=shared.comm, group=self._communication_group,
             selector=shared.selector, timer=shared.compress_timer, residuals=self.higgs_residuals,
             scores=self.higgs_scores, group_index=self.higgs_index, megatron=self._megatron_collective,
-            bounded=shared.waits.timeout is not None, nodes=shared.nodes, waits=shared.waits,
+            nodes=shared.nodes, waits=shared.waits,
             shard=self.intra_distributed_optimizer_instance_rank if distributed_optimizer else None)
         launch.stats.dense_bytes, launch.stats.dense_wire_bytes = self.higgs_dense_traffic
         for idx, bucket in enumerate(self.buckets):
@@ -367,11 +369,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             self.grad_reduce_handle = None
 
     def _wait_for_graph_replays(self) -> None:
-        """megatron-core 0.19: a local CUDA graph's replay writes its parameters' gradients
-        asynchronously to backward's hooks, and marks the end with an event on each; the
-        current stream waits for those before the bucket is read (no host wait)."""
+        """megatron-core 0.19 (``compat.buckets``): a local CUDA graph's replay writes its
+        parameters' gradients asynchronously to backward's hooks, and marks the end with an
+        event on each; the current stream waits for those before the bucket is read (no host wait)."""
         events = {id(event): event for bucket in self.buckets for param in bucket.params_list
-                  if (event := getattr(param, "_cudagraph_wgrad_ready_event", None)) is not None}
+                  if (event := getattr(param, GRAPH_REPLAY_EVENT, None)) is not None}
         for event in events.values():
             torch.cuda.current_stream().wait_event(event)
 
@@ -390,7 +392,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                     grad, self.intra_distributed_optimizer_instance_size)
             local = self.cached_grad_buffer_shard_list[idx][self.intra_distributed_optimizer_instance_rank]
             work = reduce_scatter(self.higgs.comm, local, grad, group, reduce_op, async_op,
-                                  bounded=self.higgs.waits.timeout is not None)
+                                  bounded=launch.bounded)
         else:
             local = grad
             work = self.higgs.comm.all_reduce(grad, group, op=reduce_op, async_op=async_op)

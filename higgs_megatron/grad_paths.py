@@ -83,10 +83,16 @@ class DensitySchedule:
         """Whether ``step`` syncs dense: the dense stage, or a refresh window."""
         return step < self.dense_iters or self.refresh_window(step)
 
+    def at(self, step: int) -> tuple[float, bool]:
+        """(the density in force at ``step``, whether it is a dense step), in one pass."""
+        dense = self.dense_stage(step)
+        return (1.0 if dense else self._compressed_density(step)), dense
+
     def density(self, step: int) -> float:
         """The density in force at ``step``."""
-        if self.dense_stage(step):
-            return 1.0
+        return self.at(step)[0]
+
+    def _compressed_density(self, step: int) -> float:
         step -= self.dense_iters
         if step >= self.density_warmup_iters:
             return self.compression_ratio
@@ -111,12 +117,16 @@ class StepLaunch:
     scores: list[ScoreBuffer | None]
     group_index: int  # the bucket group's index: with a bucket's, the selector's key (``key``)
     megatron: Callable[[int, torch.Tensor, "StepLaunch"], Any]  # Megatron's own collective for bucket idx
-    bounded: bool = False  # waits are bounded (--higgs-step-timeout): every collective gets a work
     shard: int | None = None  # with the distributed optimizer: this rank's shard of each bucket
     nodes: NodeGroups | None = None  # the hierarchical form's groups
-    waits: StepWaits | None = None  # how a collective of this step is waited for
+    waits: StepWaits = field(default_factory=StepWaits)  # how a collective of this step is waited for
     dense_works: list[Any] = field(default_factory=list)  # Megatron's collectives' works
     pending: list[Any] = field(default_factory=list)  # the other paths' exchanges in flight (the bucket group adds them)
+
+    @property
+    def bounded(self) -> bool:
+        """Waits are bounded (``--higgs-step-timeout``): every collective gets a work."""
+        return self.waits.timeout is not None
 
     def key(self, idx: int) -> tuple[int, int]:
         """The selector's key of bucket ``idx`` (a sampled selector draws per key)."""

@@ -9,8 +9,7 @@ wrapper wraps however many times the name was rebound.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 
 class Rebinds:
@@ -29,23 +28,9 @@ class Rebinds:
         kept = self._originals.get((id(owner), name))
         return kept[1] if kept is not None else getattr(owner, name)
 
-    def rebound(self, owner: Any, name: str) -> bool:
-        return (id(owner), name) in self._originals
-
     def restore(self) -> None:
         """Put every rebound name back, the last rebound first."""
         for (_, name), (owner, value) in reversed(list(self._originals.items())):
             setattr(owner, name, value)
         self._originals.clear()
 
-
-@contextmanager
-def rebound(bindings: list[tuple[Any, str, Any]]) -> Iterator[Rebinds]:
-    """Each ``(owner, name, value)`` rebound inside the scope, restored after."""
-    rebinds = Rebinds()
-    try:
-        for owner, name, value in bindings:
-            rebinds.rebind(owner, name, value)
-        yield rebinds
-    finally:
-        rebinds.restore()

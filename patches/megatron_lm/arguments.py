@@ -29,6 +29,7 @@ from typing import Callable
 from higgs_megatron.checkpoint.flags import add_rank_map_args
 from higgs_megatron.config import add_higgs_args
 from higgs_megatron.ddp import UNSUPPORTED_DDP_OPTIONS
+from higgs_megatron.field_flags import flag_dest
 from higgs_megatron.given_flags import flags_given
 from higgs_megatron.memory.flags import add_offload_args
 from higgs_megatron.launcher import launcher_world_size
@@ -116,7 +117,7 @@ def translate_args(args: argparse.Namespace) -> RunConfig | None:
             raise UsageError(f"{flag}: its saves bypass the rank map (or delete before the commit); "
                                   "not with --use-higgs")
     for flag in UNSUPPORTED_DDP_OPTIONS.values():
-        if getattr(args, flag.lstrip("-").replace("-", "_"), None):
+        if getattr(args, flag_dest(flag), None):
             raise UsageError(f"{flag}: HiggsDDP does its own reduction, not Megatron's, which this option changes; "
                              "not with --use-higgs")
     if "muon" in str(getattr(args, "optimizer", "adam")):

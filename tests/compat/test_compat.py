@@ -9,7 +9,7 @@ import types
 import pytest
 
 from higgs_megatron.compat import symbols, versions
-from higgs_megatron.compat.rebind import Rebinds, rebound
+from higgs_megatron.compat.rebind import Rebinds
 from higgs_megatron.compat.symbols import Symbol, check_symbols, symbol_problems
 from higgs_megatron.compat.versions import UntestedMegatron, check_megatron_core, supported
 from higgs_megatron.runtime.exits import UsageError
@@ -59,9 +59,12 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_a_front_end_refuses_an_untested_release_before_anything_else(monkeypatch):
+    breaks_a_rule = _args("--use-higgs", "--higgs-link-gbps", "10", "--higgs-sync", "sparse")
+    with pytest.raises(UsageError, match="--higgs-link-gbps"):
+        run_config_from_args(breaks_a_rule, PRETRAIN, 2, 10, 0)  # a supported release: the rule speaks
     monkeypatch.setattr(versions, "megatron_core_version", lambda: "0.18.0")
     with pytest.raises(UsageError, match=r"megatron-core 0.18.0 is installed"):
-        run_config_from_args(_args("--use-higgs"), PRETRAIN, 2, 10, 0)
+        run_config_from_args(breaks_a_rule, PRETRAIN, 2, 10, 0)
     assert run_config_from_args(_args("--use-higgs", "--higgs-allow-untested-megatron"), PRETRAIN, 2, 10, 0)
 
 
@@ -79,10 +82,33 @@ def test_rebinds_keep_the_first_original_and_restore_everything():
     rebinds.rebind(owner, "run", lambda: "wrapped again")
     rebinds.rebind(owner, "build", "patched")
     assert owner.run() == "wrapped again" and rebinds.original(owner, "run") is first
-    assert rebinds.rebound(owner, "build") and not rebinds.rebound(owner, "other")
     rebinds.restore()
-    assert owner.run is first and owner.build == "plain" and not rebinds.rebound(owner, "run")
-    with rebound([(owner, "build", "scoped")]):
-        assert owner.build == "scoped"
-    assert owner.build == "plain"
+    assert owner.run is first and owner.build == "plain"
+    rebinds.rebind(owner, "run", lambda: "again")  # restored means forgotten: the next original is the current one
+    assert rebinds.original(owner, "run") is first
+    rebinds.restore()
+    assert owner.run is first
 
+
+
+def test_the_graph_replay_wait_follows_the_installed_releases_own_bucket_group():
+    """0.19's start_grad_sync waits for CUDA-graph replays, 0.16.1's does not: ours does where it does."""
+    from higgs_megatron.compat.buckets import WAITS_FOR_GRAPH_REPLAYS
+
+    assert WAITS_FOR_GRAPH_REPLAYS == (versions.series(versions.MEGATRON_CORE_VERSION) != "0.16")
+
+
+@pytest.mark.parametrize("field", ["reduce_scatter_with_fp32_accumulation",
+                                   "param_name_patterns_for_fp32_local_accumulation"])
+def test_higgs_ddp_refuses_a_ddp_option_that_changes_megatrons_own_reduction(field):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from higgs_megatron.ddp import UNSUPPORTED_DDP_OPTIONS, HiggsConfigurationError, HiggsDDP
+
+    ddp_config = DistributedDataParallelConfig()
+    if not hasattr(ddp_config, field):
+        pytest.skip(f"megatron-core {versions.MEGATRON_CORE_VERSION} has no {field}")
+    setattr(ddp_config, field, True if field.startswith("reduce") else ["*.weight"])
+    with pytest.raises(HiggsConfigurationError, match=rf"DistributedDataParallelConfig.{field} \(Megatron-LM's "
+                                                      rf"{UNSUPPORTED_DDP_OPTIONS[field]}\)"):
+        HiggsDDP(None, ddp_config, None)  # refused before Megatron's DDP is built: no process group needed

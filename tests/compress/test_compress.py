@@ -170,3 +170,9 @@ def test_config_validation_and_density_warmup():
     assert [staged.density(step) for step in range(3, 9)] == densities  # the warm-up starts after the dense stage
     with pytest.raises(ValueError, match="freeze_adam_variance needs dense_iters > 0"):
         HiggsConfig(freeze_adam_variance=True)
+
+
+def test_the_schedule_in_one_pass_agrees_with_its_parts():
+    schedule = DensitySchedule(0.01, dense_iters=3, density_warmup_iters=4, variance_refresh_iters=0)
+    assert [schedule.at(step) for step in range(9)] == \
+        [(schedule.density(step), schedule.dense_stage(step)) for step in range(9)]

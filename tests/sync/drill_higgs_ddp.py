@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from higgs_megatron.compat.versions import MEGATRON_CORE_VERSION, series
 from higgs_megatron_bench.runs import higgs_flags, lean_flags, summarize
 from higgs_megatron_bench.ranks import run_ranks
 from tests.workers.common import train_variants, train_variants_on_the_compressed_form
@@ -249,8 +250,8 @@ def test_wire_bytes_of_the_lean_schedule_on_each_form_at_two_dp_sizes(world_size
     and 0.179x (DP=4: three payloads a step, its dense int8 steps capped by the
     never-more-than-dense rule) at 1.016x and 1.014x of dense's loss; agreed 0.074x and 0.076x
     at 1.030x and 1.065x (at DP=2 1.066x on megatron-core 0.19.2, whose dense run ends lower:
-    the agreed blocks' gap is 3 to 7%, as docs/compression.md says, so both sizes are held to
-    1.07x); sharded 0.091x and 0.097x at 1.015x and 1.026x. This model's small
+    the agreed blocks' gap is 3 to 7%, as docs/compression.md says: held to 1.03x at DP=2 on
+    0.16.1, 1.07x otherwise); sharded 0.091x and 0.097x at 1.015x and 1.026x. This model's small
     parameters (1.4% of its coordinates, sent whole) keep every form above a sixteenth; at
     a quarter of the coordinates the agreed blocks lose loss to the ranks' own top-k, whose
     union sends more, and the sharded form's owners send a quarter of the union back."""
@@ -267,7 +268,9 @@ def test_wire_bytes_of_the_lean_schedule_on_each_form_at_two_dp_sizes(world_size
     if world_size > 2:  # one payload per peer: at 4 ranks three (the never-more-than-dense rule caps its steps)
         assert wire["sparse"] >= 2 * wire["agreed"] and wire["sparse"] >= 1.5 * wire["sharded"], wire
     assert losses["sparse"] <= 1.03 * losses["dense"], losses
-    assert losses["agreed"] <= 1.07 * losses["dense"], losses
+    # 1.03x at DP=2 on 0.16.1; 1.066x there on 0.19.2, whose dense run ends lower (see the docstring)
+    agreed_bound = 1.03 if world_size == 2 and series(MEGATRON_CORE_VERSION) == "0.16" else 1.07
+    assert losses["agreed"] <= agreed_bound * losses["dense"], losses
     assert losses["sharded"] <= (1.03 if world_size == 2 else 1.04) * losses["dense"], losses
 
 
