@@ -23,8 +23,10 @@ Per bucket group, per step (once, on the accumulated gradient, never per micro-b
    the config, those agreed costs, the bucket and the step's density (``grad_paths.DensitySchedule``),
    so every DP peer issues the same collectives in the same order with the same sizes.
 3. With error feedback, ``acc = grad + residual`` on both paths; the residual left for the
-   next step is staged, and commits when the next step starts unless the step is rolled
-   back (``rollback_residuals``: every rank skipped it).
+   next step is staged. Under ``HiggsOptimizer`` it commits when the optimizer takes the
+   step (``commit_step``) and is dropped when every rank skips it (``rollback_residuals``),
+   so a sync run again within one iteration (Megatron-LM's rerun state machine) starts from
+   the same residual and counts one step; without it, it commits when the next sync starts.
 4. The collectives are asynchronous when ``overlap_grad_reduce`` is on; the handle's
    ``wait`` finishes them and writes the summed gradient into the bucket.
 
@@ -166,6 +168,8 @@ class _Shared:
     stats: SyncStats = field(default_factory=SyncStats)
     trace: list[tuple[str, int]] | None = None
     check_nonfinite: bool = False
+    # Whether the optimizer settles each step (``HiggsOptimizer``): see ``HiggsBucketGroup._settle``.
+    settled_by_optimizer: bool = False
     compress_timer: DeviceTimer = field(default_factory=DeviceTimer)
     waits: StepWaits = field(default_factory=StepWaits)  # how the step's collectives are waited for (bounded or not)
     nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical", or several optimizer instances
@@ -229,13 +233,15 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     higgs_index: int
     higgs_plans: list[BucketPlan | None]
     higgs_residuals: list[ResidualBuffer | None]
-    higgs_steps: int
+    higgs_steps: int  # the steps settled as kept: what the density schedule counts
+    higgs_synced: bool  # a sync ran whose step is not settled yet
     higgs_nonfinite: torch.Tensor | None
 
     def _higgs_attach(self, shared: _Shared, index: int) -> None:
         self.higgs = shared
         self.higgs_index = index
         self.higgs_steps = 0
+        self.higgs_synced = False
         self.higgs_nonfinite: torch.Tensor | None = None
         nodes = shared.nodes
         shape = None if nodes is None else NodeShape(nodes.nodes, nodes.ranks_per_node, nodes.local_index,
@@ -264,6 +270,19 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     @property
     def higgs_plans(self) -> list[BucketPlan | None]:
         return [paths.plan for paths in self.higgs_buckets]
+
+    def _settle(self, kept: bool) -> None:
+        """End the step of the last sync: what it staged (residuals, agreed block scores) becomes
+        the state and the step counts (``kept``), or is dropped. Idempotent: a second call, or
+        one with no sync since, does nothing, so a step is counted once however many times
+        its iteration synced."""
+        if not self.higgs_synced:
+            return
+        for buffer in (*self.higgs_residuals, *self.higgs_scores):
+            if buffer is not None:
+                buffer.commit() if kept else buffer.rollback()
+        self.higgs_steps += int(kept)
+        self.higgs_synced = False
 
     @property
     def _communication_group(self) -> dist.ProcessGroup:
@@ -324,6 +343,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
                              check_for_large=self.ddp_config.check_for_large_grads)
         shared = self.higgs
+        # What an earlier sync staged: with an optimizer that settles each step, still staged
+        # means that sync's step was never taken (Megatron-LM's rerun state machine runs the
+        # iteration's forward-backward again): this sync starts from the same state. Without
+        # one, each sync is taken to follow a kept step.
+        self._settle(kept=not shared.settled_by_optimizer)
         if shared.trace is not None:
             shared.trace.append(("start", self.higgs_index))
         for bucket in self.buckets:
@@ -358,7 +382,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 launch.pending.append(pending)
         if launch.sums is not None:
             self.higgs_nonfinite = torch.isfinite(torch.stack(launch.sums)).all().logical_not()
-        self.higgs_steps += 1
+        self.higgs_synced = True
         shared.stats.add(launch.stats)
         handle = _GroupHandle(launch.dense_works, launch.pending, shared.average_over if average else 1,
                               on_done=self._on_sync_done, waits=shared.waits)
@@ -526,12 +550,21 @@ class HiggsDDP(DistributedDataParallel):
             return torch.zeros((), dtype=torch.bool, device=self.bucket_groups[0].buckets[0].grad_data.device)
         return torch.stack(flags).any()
 
+    def settle_by_optimizer(self) -> None:
+        """From now on the optimizer ends each step (``commit_step`` or ``rollback_residuals``),
+        and a sync that finds its predecessor's step unsettled starts again from the state
+        before it (``HiggsBucketGroup._settle``)."""
+        self._higgs.settled_by_optimizer = True
+
+    def commit_step(self) -> None:
+        """The optimizer took the step: the residuals and scores the last sync staged are the state."""
+        for group in self.bucket_groups:
+            group._settle(kept=True)
+
     def rollback_residuals(self) -> None:
         """Forget the residuals staged by the last sync (the step was skipped everywhere)."""
-        for buffer in (*self._residual_buffers().values(), *self._score_buffers().values()):
-            buffer.rollback()
         for group in self.bucket_groups:
-            group.higgs_steps = max(0, group.higgs_steps - 1)
+            group._settle(kept=False)
 
     def _residual_buffers(self) -> dict[str, ResidualBuffer]:
         return {f"group{g.higgs_index}.bucket{i}": residual
@@ -547,7 +580,9 @@ class HiggsDDP(DistributedDataParallel):
         resumed run must start from)."""
         state = {name: buffer.current.clone()
                  for name, buffer in {**self._residual_buffers(), **self._score_buffers()}.items()}
-        state["steps"] = torch.tensor([g.higgs_steps for g in self.bucket_groups], dtype=torch.long)
+        # a step synced and not yet settled counts: its staged residual is what ``current`` saves
+        state["steps"] = torch.tensor([g.higgs_steps + int(g.higgs_synced) for g in self.bucket_groups],
+                                      dtype=torch.long)
         return state
 
     def load_residual_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -564,4 +599,4 @@ class HiggsDDP(DistributedDataParallel):
             if name in state and state[name].numel() == scores.committed.numel():
                 scores.load(state[name].to(scores.committed.device))
         for group, steps in zip(self.bucket_groups, state["steps"].tolist()):
-            group.higgs_steps = steps
+            group.higgs_steps, group.higgs_synced = steps, False

@@ -303,7 +303,6 @@ class AgreedForm:
             if residual is not None:
                 residual.accumulate(grad)
             step.check(grad)
-            scores.commit()
             positions, real = plan.select(scores.committed, density)
             values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
             rows, rounded = pack_rows(values, value_format, layout.span)

@@ -6,12 +6,12 @@
 # By hand, on every node (NODE_RANK 0..NNODES-1, MASTER_ADDR = node 0's address):
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=10.0.0.1 scripts/megatron_lm_multinode.sh <pretrain_gpt.py flags>
 #
-# MEGATRON_LM_PATH: a checkout of https://github.com/NVIDIA/Megatron-LM at tag core_v0.16.1.
+# MEGATRON_LM_PATH: a checkout of https://github.com/NVIDIA/Megatron-LM at tag core_v0.16.1, needed
+# with megatron-core 0.16.1; with 0.19 (which ships Megatron-LM's training code) optional, core_v0.19.0.
 # Everything after the script name goes to pretrain_gpt.py, e.g.
 #   --use-higgs --higgs-compression-ratio 0.01 --save /ckpt --load /ckpt --async-checkpoint ...
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)}"
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 if [[ -z "${MASTER_ADDR:-}" && -n "${SLURM_JOB_NODELIST:-}" ]]; then
@@ -25,4 +25,4 @@ PYTHON=${PYTHON:-python}
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-LM's requirement for overlapping TP communication
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    "$here/patches/run_pretrain_gpt.py" --megatron-lm-path "$MEGATRON_LM_PATH" "$@"
+    "$here/patches/run_pretrain_gpt.py" ${MEGATRON_LM_PATH:+--megatron-lm-path "$MEGATRON_LM_PATH"} "$@"

@@ -34,9 +34,9 @@ the payload's shape never depends on the data.
 
 The new residual is *staged*, not committed: if every rank then agrees to skip the step
 (non-finite gradients somewhere, or an abandoned sync), ``rollback()`` drops it and the
-residual is as it was before the step. A staged residual commits when the next step
-begins (``accumulate``), or explicitly; ``current`` is what a checkpoint must save. The
-price is a second buffer the size of the bucket.
+residual is as it was before the step. It commits when the step is taken, or when the next
+sync begins (``ddp.HiggsBucketGroup._settle`` says which); ``current`` is what a checkpoint
+must save. The price is a second buffer the size of the bucket.
 
 The payload format (``compress.payload``, ``--higgs-payload``) is part of the plan: its
 ``round`` runs inside ``compress``, before the residual is staged, so what a lower-precision
@@ -343,9 +343,9 @@ class ResidualBuffer:
         self.has_staged = False
 
     def accumulate(self, grad: torch.Tensor) -> None:
-        """``grad += residual`` in place (grad becomes acc), after committing the last step.
-        ``grad`` may be shorter than the buffer when the buffer's tail is padding (always 0)."""
-        self.commit()
+        """``grad += residual`` in place (grad becomes acc): the committed residual (the bucket
+        group settles the last step first, ``ddp.HiggsBucketGroup._settle``). ``grad`` may be
+        shorter than the buffer when the buffer's tail is padding (always 0)."""
         if not self.committed_zero:
             grad.add_(self.committed.narrow(0, 0, grad.numel()))
 

@@ -68,6 +68,32 @@ def chain_args_providers(existing: ArgsProvider | None) -> ArgsProvider:
     return provider
 
 
+# (flag, argparse dest, why): Megatron-LM features refused with --use-higgs, before any process
+# group exists (docs/megatron_lm.md, the compatibility matrix). A dest the release lacks is skipped.
+REFUSED_WITH_HIGGS = (
+    ("--inprocess-restart", "inprocess_restart",
+     "NVRx's in-process restart re-enters pretrain() around state the patches hold; the stability layer "
+     "(--higgs-step-timeout, --auto-resume) recovers instead"),
+    ("--enable-ft-package", "enable_ft_package",
+     "NVRx's fault tolerance restarts ranks the stability layer is aligning; use --higgs-step-timeout"),
+    ("--optimizer-cuda-graph", "optimizer_cuda_graph",
+     "it replaces optimizer.step, which the runtime wraps"),
+    ("--enable-cuda-graph", "enable_cuda_graph", "CUDA graphs are not tested with HiggsDDP's reduction"),
+    ("--external-cuda-graph", "external_cuda_graph", "CUDA graphs are not tested with HiggsDDP's reduction"),
+    ("--fp8-format", "fp8", "FP8 training (Transformer Engine on a GPU) is not tested with HiggsDDP"),
+    ("--fp8-param-gather", "fp8_param_gather", "FP8 parameter buffers are not tested with HiggsDDP"),
+    ("--num-experts", "num_experts", "HiggsDDP does not reduce expert-parallel gradients yet (MoE)"),
+)
+
+
+def refused_with_higgs(args: argparse.Namespace) -> list[str]:
+    """``flag: why`` for each Megatron-LM feature given that --use-higgs refuses."""
+    found = [f"{flag}: {why}" for flag, dest, why in REFUSED_WITH_HIGGS if getattr(args, dest, None)]
+    if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
+        found.append(f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not tested with HiggsDDP's reduction")
+    return found
+
+
 _WEIGHT_HASH_DEST = "check_weight_hash_across_dp_replicas_interval"  # Megatron-LM's own flag when it has one
 
 
@@ -116,13 +142,16 @@ def translate_args(args: argparse.Namespace) -> RunConfig | None:
         if getattr(args, name, None):
             raise UsageError(f"{flag}: its saves bypass the rank map (or delete before the commit); "
                                   "not with --use-higgs")
+    refused = refused_with_higgs(args)
+    if refused:
+        raise UsageError(f"{'; '.join(refused)}: not with --use-higgs")
     for flag in UNSUPPORTED_DDP_OPTIONS.values():
         if getattr(args, flag_dest(flag), None):
             raise UsageError(f"{flag}: HiggsDDP does its own reduction, not Megatron's, which this option changes; "
                              "not with --use-higgs")
-    if "muon" in str(getattr(args, "optimizer", "adam")):
-        raise UsageError(f"--optimizer {args.optimizer}: Megatron-LM builds Muon outside get_megatron_optimizer, "
-                              "which --use-higgs wraps; use adam or sgd")
+    if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
+        raise UsageError(f"--optimizer {args.optimizer}: --use-higgs wraps Megatron's Adam and SGD (its checkpoints "
+                         "restore their state through the distributed optimizer's own layout); use adam or sgd")
     if (args.save or args.load) and args.ckpt_format != "torch_dist":
         raise UsageError(f"--ckpt-format {args.ckpt_format}: with --use-higgs, checkpoints carry a rank map, "
                               "which covers the torch_dist format; use --ckpt-format torch_dist")
@@ -156,6 +185,8 @@ def translate_args(args: argparse.Namespace) -> RunConfig | None:
     if args.async_checkpoint:
         args.async_save = True
         args.use_persistent_ckpt_worker = True
+    if getattr(args, "async_save", False) and hasattr(args, "async_strategy"):
+        args.async_strategy = "mcore"  # from 0.19: megatron-core's writer, which the rank map's commit follows
     if args.use_distributed_optimizer and not getattr(args, "distrib_optim_fully_reshardable_mem_efficient", False):
         args.dist_ckpt_optim_fully_reshardable = True
     return config  # kept off ``args``: Megatron-LM pickles args into checkpoints, read back weights-only

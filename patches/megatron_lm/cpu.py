@@ -7,8 +7,8 @@ Megatron-LM's ``megatron.training`` adds a few of its own, answered here inside
 
 * ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda=True``: ``pretrain()`` is
   given a version that passes it.
-* ``megatron.legacy.fused_kernels.load`` builds CUDA kernels with nvcc: on CPU there is
-  nothing to build, so it does nothing.
+* ``megatron.legacy.fused_kernels.load`` (0.16.1's checkout; gone from 0.18 on) builds CUDA
+  kernels with nvcc: on CPU there is nothing to build, so it does nothing.
 * ``_initialize_distributed`` builds the model-parallel groups only when
   ``torch.cuda.device_count() > 0``: it is told of one device, and ``set_device`` does nothing.
 * the random streams: on a GPU, dropout draws from the CUDA generator and the data loader's
@@ -39,7 +39,8 @@ import torch
 
 from higgs_megatron.cpu import named_noop, cpu_megatron
 
-# (flag, how argparse stores it, the value CPU needs)
+# (flag, how argparse stores it, the value CPU needs); a flag whose dest changed between
+# releases is listed once per dest, and only the dest the release parses is checked
 CPU_FLAGS = (
     ("--distributed-backend gloo", "distributed_backend", "gloo"),
     ("--transformer-impl local", "transformer_impl", "local"),
@@ -47,14 +48,16 @@ CPU_FLAGS = (
     ("--no-masked-softmax-fusion", "masked_softmax_fusion", False),
     ("--no-bias-gelu-fusion", "bias_gelu_fusion", False),
     ("--no-bias-dropout-fusion", "bias_dropout_fusion", False),
-    ("--no-persist-layer-norm", "persist_layer_norm", False),
+    ("--no-persist-layer-norm", "persist_layer_norm", False),  # 0.16.1
+    ("--no-persist-layer-norm", "no_persist_layer_norm", True),  # from 0.18
     ("--no-rope-fusion", "apply_rope_fusion", False),
 )
 
 
 def cpu_flag_problems(args: Any) -> list[str]:
     """The flags a CPU run of pretrain_gpt.py lacks (empty when it has them all)."""
-    return [flag for flag, name, value in CPU_FLAGS if hasattr(args, name) and getattr(args, name) != value]
+    return list(dict.fromkeys(flag for flag, name, value in CPU_FLAGS
+                              if hasattr(args, name) and getattr(args, name) != value))
 
 
 _DEVICE = SimpleNamespace(name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=0,
@@ -123,7 +126,6 @@ def _fenced_from_rng(function: Any) -> Any:
 @contextlib.contextmanager
 def megatron_lm_on_cpu() -> Iterator[None]:
     """Run Megatron-LM's ``pretrain()`` on CPU for the duration of the block."""
-    import megatron.legacy.fused_kernels as fused_kernels
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
     import megatron.training.training as training
 
@@ -137,7 +139,12 @@ def megatron_lm_on_cpu() -> Iterator[None]:
         try:
             for name, value in _MEMORY_REPORTS.items():
                 patch(torch.cuda, name, value)
-            patch(fused_kernels, "load", named_noop("load"))
+            try:
+                import megatron.legacy.fused_kernels as fused_kernels
+            except ImportError:  # from 0.18 on nothing builds kernels at start
+                pass
+            else:
+                patch(fused_kernels, "load", named_noop("load"))
             patch(PersistentAsyncCaller, "async_loop", staticmethod(persistent_worker_on_cpu))
             patch(training, "build_train_valid_test_data_iterators",
                   _fenced_from_rng(training.build_train_valid_test_data_iterators))

@@ -9,14 +9,23 @@ Nothing is rebound for good: every original is kept (``higgs_megatron.compat.reb
 
 Two stages:
 
-1. ``install()``, before ``pretrain_gpt.py`` runs: ``megatron.training.pretrain`` becomes a
-   wrapper that chains our flags after the ``extra_args_provider`` the script passes, and
-   ``initialize.parse_args`` a wrapper that checks our flags right after Megatron-LM has
-   parsed (``arguments.translate_args``). Without ``--use-higgs`` that is all: Megatron-LM
-   runs as unpatched.
+1. ``install()``, before ``pretrain_gpt.py`` runs, puts our flags into Megatron-LM's parser
+   and checks them right after it has parsed, before its own validation
+   (``arguments.translate_args``). Where depends on the release:
+   * 0.16.1 parses inside ``pretrain()``: ``megatron.training.pretrain`` becomes a wrapper that
+     chains our flags after the ``extra_args_provider`` the script passes, and
+     ``initialize.parse_args`` a wrapper that checks them;
+   * from 0.18 on the script parses before ``pretrain()``
+     (``arguments.parse_and_validate_args``): ``arguments.parse_args`` becomes a wrapper that
+     does both. Its other callers (the fault-tolerance and in-process-restart probes, which
+     parse ignoring unknown flags) get the original.
+
+   Without ``--use-higgs`` that is all: Megatron-LM runs as unpatched.
 2. ``activate(args)``, with ``--use-higgs``, still before any process group exists:
    * ``DDP`` becomes HiggsDDP bound to the run's ``HiggsConfig`` (a subclass, so Megatron-LM's
-     ``isinstance(model_chunk, DDP)`` checks keep holding);
+     ``isinstance(model_chunk, DDP)`` checks keep holding); from 0.18 on, also the name the
+     model builder wraps with (``models.dist_utils.DistributedDataParallel``), which is
+     what ``pretrain_gpt.py``'s model config builds through;
    * ``get_megatron_optimizer`` returns the optimizer wrapped by ``wrap_optimizer``;
    * ``train_step`` runs under the stability layer (``stability.StepRunner``: injected faults,
      progress phases for the watchdog, the step's bounded decision, progress alignments that
@@ -43,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 import megatron.training as megatron_training
+import megatron.training.arguments as arguments
 import megatron.training.checkpointing as checkpointing
 import megatron.training.initialize as initialize
 import megatron.training.training as training
@@ -62,6 +72,7 @@ from higgs_megatron.stability.regroup import prepare_backend
 
 from .cpu import cpu_flag_problems
 from .arguments import chain_args_providers, translate_args
+from .checkout import installed_release, wheel_ships_training
 from .rank_map import RankMapHooks
 from .stability import MegatronLMWriters, StepRunner
 
@@ -73,12 +84,23 @@ original = _rebinds.original  # what ``owner.name`` was before the patches
 uninstall = _rebinds.restore  # put every rebound name back
 
 _T, _C, _I = "megatron.training.training", "megatron.training.checkpointing", "megatron.training.initialize"
+_A, _M = "megatron.training.arguments", "megatron.training.models.dist_utils"
+# Whether Megatron-LM parses before ``pretrain()`` and builds models through its model builder
+# (from 0.18 on: the wheel ships megatron.training) or parses inside it (0.16.1).
+PARSES_BEFORE_PRETRAIN = wheel_ships_training(installed_release())
 # What the rebinding below relies on in Megatron-LM's training code (higgs_megatron.compat.symbols),
 # checked by ``install`` before anything is rebound, with megatron-core's own.
-MEGATRON_LM_SYMBOLS = (
+_ENTRY = (
+    Symbol(f"{_A}:parse_args", ("extra_args_provider", "ignore_unknown_args"),
+           "rebound: our flags join its parser and are checked right after it"),
+    Symbol(f"{_M}:DistributedDataParallel", ("config", "ddp_config", "module"),
+           "rebound to HiggsDDP: the model builder wraps with it"),
+) if PARSES_BEFORE_PRETRAIN else (
     Symbol(f"{_T}:pretrain", ("train_valid_test_dataset_provider", "model_provider", "model_type",
                               "forward_step_func"), "our flags join its extra_args_provider"),
     Symbol(f"{_I}:parse_args", ("extra_args_provider", "ignore_unknown_args"), "our flags are checked right after it"),
+)
+MEGATRON_LM_SYMBOLS = _ENTRY + (
     Symbol(f"{_T}:DDP", ("config", "ddp_config", "module"), "rebound to HiggsDDP"),
     Symbol(f"{_T}:get_megatron_optimizer", ("config", "model_chunks"), "rebound: the runtime attaches to its optimizer"),
     Symbol(f"{_T}:train_step", ("forward_step_func", "data_iterator", "model", "optimizer"),
@@ -99,9 +121,12 @@ def install() -> None:
     """Stage 1 (see the module docstring). Raises ``SymbolMismatch`` naming what Megatron-LM's
     code or megatron-core lacks of what the patches rely on, before anything is rebound."""
     check_symbols(MEGATRON_LM_SYMBOLS)
-    _rebind(megatron_training, "pretrain", _pretrain)
-    _rebind(training, "pretrain", _pretrain)
-    _rebind(initialize, "parse_args", _parse_args)
+    if PARSES_BEFORE_PRETRAIN:
+        _rebind(arguments, "parse_args", _parse_chained_args)
+    else:
+        _rebind(megatron_training, "pretrain", _pretrain)
+        _rebind(training, "pretrain", _pretrain)
+        _rebind(initialize, "parse_args", _parse_args)
 
 
 @functools.wraps(training.pretrain)
@@ -112,8 +137,20 @@ def _pretrain(*args: Any, **kwargs: Any) -> Any:
     return pretrain(*bound.args, **bound.kwargs)
 
 
+def _parse_chained_args(extra_args_provider: Any = None, ignore_unknown_args: bool = False) -> Any:
+    parse_args = original(arguments, "parse_args")
+    if ignore_unknown_args:  # a probe for one of Megatron-LM's own flags, not the run's parse
+        return parse_args(extra_args_provider, ignore_unknown_args)
+    return _checked(parse_args(chain_args_providers(extra_args_provider), ignore_unknown_args))
+
+
 def _parse_args(*args: Any, **kwargs: Any) -> Any:
-    parsed = original(initialize, "parse_args")(*args, **kwargs)
+    return _checked(original(initialize, "parse_args")(*args, **kwargs))
+
+
+def _checked(parsed: Any) -> Any:
+    """Megatron-LM's parsed flags, ours among them, checked and mapped (``translate_args``);
+    with ``--use-higgs`` the patches activated."""
     try:
         if not torch.cuda.is_available():
             missing = cpu_flag_problems(parsed)
@@ -150,7 +187,12 @@ def activate(args: Any, run: RunConfig) -> None:
     apply_block_allocator(run.memory.block_allocator)  # before process groups: no CUDA allocation yet
     if run.stability.higgs_step_timeout is not None:
         prepare_backend(args.distributed_backend)  # before process groups: NCCL's error handling
-    _rebind(training, "DDP", higgs_ddp_class(config))
+    ddp_class = higgs_ddp_class(config)
+    _rebind(training, "DDP", ddp_class)
+    if PARSES_BEFORE_PRETRAIN:
+        import megatron.training.models.dist_utils as dist_utils
+
+        _rebind(dist_utils, "DistributedDataParallel", ddp_class)
     _rebind(training, "get_megatron_optimizer", _get_megatron_optimizer)
     _rebind(training, "train_step", _train_step)
     _rebind(training, "save_checkpoint", functools.partial(

@@ -138,8 +138,9 @@ def test_a_dense_step_leaves_a_zero_residual_without_writing_it():
     assert torch.equal(grad, torch.ones(10))
     residual.stage_all_sent()
     assert torch.equal(residual.current, torch.zeros(10))
+    residual.commit()  # the step is taken
     grad = torch.full((10,), 5.0)
-    residual.accumulate(grad)  # commits the zero residual: nothing is added
+    residual.accumulate(grad)  # the zero residual: nothing is added
     assert torch.equal(grad, torch.full((10,), 5.0))
     residual.rollback()
     assert torch.equal(residual.current, torch.zeros(10))

@@ -1,8 +1,11 @@
-"""Megatron-LM's own pretrain_gpt.py (a core_v0.16.1 checkout, unmodified) under the patches,
-on CPU over gloo: sync equivalence, compression, the rank map on its checkpoints, reshard.
+"""Megatron-LM's own training loop under the patches, on CPU over gloo: sync equivalence,
+compression, the rank map on its checkpoints, reshard, recovery.
 
-Needs ``MEGATRON_LM_PATH`` (a checkout of tag core_v0.16.1) and Megatron-LM's training
-imports (``pip install -e '.[megatron-lm]'``); skipped, saying which is missing, without them.
+On megatron-core 0.16.1 it needs ``MEGATRON_LM_PATH`` (a checkout of tag core_v0.16.1, its
+pretrain_gpt.py unmodified). On 0.19 the wheel's ``megatron.training`` runs, through
+``gpt_entry`` (or a core_v0.19.0 checkout's pretrain_gpt.py, with ``MEGATRON_LM_PATH``). Both
+need Megatron-LM's training imports (``pip install -e '.[megatron-lm]'``); skipped, saying
+which is missing, without them.
 Megatron-LM logs, on the second iteration after a resume, the mean of the first two (its
 ``training_log`` does not reset its sums on the first logged iteration): the continuity
 checks expect exactly that, and compare grad norms and final weights as well.
@@ -17,19 +20,22 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from higgs_megatron_bench.ranks import REPO_ROOT, run_pretrain_script
+from higgs_megatron_patches.megatron_lm.checkout import wheel_ships_training
 from higgs_megatron_patches.megatron_lm.cpu import CPU_FLAGS as PATCHES_CPU_FLAGS
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
+WHEEL = wheel_ships_training()  # megatron-core 0.19: Megatron-LM's training loop without a checkout
 _MISSING = [name for name in ("transformers", "einops", "tiktoken", "sentencepiece", "regex", "six", "triton")
             if importlib.util.find_spec(name) is None]
 pytestmark = [
-    pytest.mark.skipif(not CHECKOUT, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)"),
+    pytest.mark.skipif(not CHECKOUT and not WHEEL,
+                       reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1)"),
     pytest.mark.skipif(bool(_MISSING), reason=f"Megatron-LM's training imports missing: {', '.join(_MISSING)} "
                                               "(pip install -e '.[megatron-lm]')"),
 ]
 
 LAUNCHER = REPO_ROOT / "patches" / "run_pretrain_gpt.py"
-CPU_FLAGS = [word for flag, _, _ in PATCHES_CPU_FLAGS for word in flag.split()]  # what the patches ask for
+CPU_FLAGS = [word for flag in dict.fromkeys(flag for flag, _, _ in PATCHES_CPU_FLAGS) for word in flag.split()]
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--num-layers", "2",
          "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
          "--micro-batch-size", "2", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
@@ -42,8 +48,10 @@ LAYOUTS = {
 _LINE = re.compile(r" iteration +(\d+)/ +\d+ \|.*")
 
 
-def megatron_lm(nproc: int, *argv: str, iters: int = 6, global_batch: int = 4, expect_ok: bool = True):
-    proc = run_pretrain_script(["--megatron-lm-path", CHECKOUT, *MODEL, *CPU_FLAGS, "--train-iters", str(iters),
+def megatron_lm(nproc: int, *argv: str, iters: int = 6, global_batch: int = 4, expect_ok: bool = True,
+                with_checkout: bool = True):
+    checkout = ["--megatron-lm-path", CHECKOUT] if CHECKOUT and with_checkout else []
+    proc = run_pretrain_script([*checkout, *MODEL, *CPU_FLAGS, "--train-iters", str(iters),
                                 "--global-batch-size", str(global_batch), *argv], nproc=nproc, timeout=600,
                                env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, script=LAUNCHER)  # Megatron-LM asks it for TP
     if expect_ok:
@@ -77,16 +85,29 @@ def tensors(checkpoint_dir, out) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def assert_same_checkpoint(tmp_path, name: str) -> None:
-    """Runs a/ and b/ saved the same checkpoint ``name``: every tensor bitwise, optimizer state included."""
+def assert_same_checkpoint(tmp_path, name: str, other: str = "b") -> None:
+    """Runs a/ and ``other``/ saved the same checkpoint ``name``: every tensor bitwise, optimizer state included."""
     a = tensors(tmp_path / "a" / name, tmp_path / "a.pt")
-    b = tensors(tmp_path / "b" / name, tmp_path / "b.pt")
+    b = tensors(tmp_path / other / name, tmp_path / f"{other}.pt")
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.skipif(not (WHEEL and CHECKOUT), reason="compares gpt_entry with a core_v0.19.0 checkout's pretrain_gpt.py: "
+                                                   "megatron-core 0.19 and MEGATRON_LM_PATH")
+def test_gpt_entry_trains_as_the_checkouts_pretrain_gpt():
+    """Without a checkout the launcher runs ``gpt_entry``: the same losses and grad norms as the
+    checkout's own pretrain_gpt.py on the wheel's training code, TP=2 (its batch broadcast)."""
+    flags = ["--tensor-model-parallel-size", "2", "--use-higgs", "--higgs-compressor", "none"]
+    script = megatron_lm(2, *flags).stdout
+    entry = megatron_lm(2, *flags, with_checkout=False).stdout
+    assert column(entry, "lm loss") == column(script, "lm loss") and len(column(script, "lm loss")) == 6
+    assert column(entry, "grad norm") == column(script, "grad norm")
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.oracle) if name == "dp2" else name
+                                    for name in LAYOUTS])
 def test_higgs_none_equals_dense_for_10_iterations_and_one_percent_trains(layout):
     nproc, flags = LAYOUTS[layout]
     batch = 8 if nproc == 4 else 4
@@ -135,7 +156,7 @@ def test_without_use_higgs_the_patched_run_equals_the_unpatched_checkout():
     assert "higgs" not in "".join(_LINE.findall(patched))
 
 
-@pytest.mark.parametrize("saving", ["sync", "async"])
+@pytest.mark.parametrize("saving", [pytest.param("sync", marks=pytest.mark.oracle), "async"])
 def test_save_and_resume_continue_the_straight_run(tmp_path, saving):
     common = ["--use-higgs", "--higgs-sync", "sparse", "--use-distributed-optimizer", "--save-interval", "3"]
     if saving == "async":
@@ -143,7 +164,9 @@ def test_save_and_resume_continue_the_straight_run(tmp_path, saving):
     straight = megatron_lm(2, *common, "--save", str(tmp_path / "a")).stdout
     resumed = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--load", str(tmp_path / "a"),
                           "--checkpoint-version", "3").stdout
-    assert "rank map and 7 file hashes checked (same sharding)" in resumed
+    # .metadata, metadata.json and the shard files: 0.16.1 writes two per rank and common.pt; 0.19
+    # one per rank, and keeps the common state in rank 0's
+    assert f"rank map and {4 if WHEEL else 7} file hashes checked (same sharding)" in resumed, resumed[-3000:]
     full, tail = iterations(straight), iterations(resumed)
     assert sorted(tail) == [4, 5, 6]
     assert tail[4]["lm loss"] == full[4]["lm loss"] and tail[6]["lm loss"] == full[6]["lm loss"]
@@ -152,7 +175,7 @@ def test_save_and_resume_continue_the_straight_run(tmp_path, saving):
     assert_same_checkpoint(tmp_path, "iter_0000006")
 
 
-@pytest.mark.parametrize("saved", ["tp2", "pp2"])
+@pytest.mark.parametrize("saved", [pytest.param("tp2", marks=pytest.mark.oracle), "pp2"])
 def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, saved, capsys):
     """tp2: a 301-token vocabulary pads to 512 rows at TP=2 and to 384 at TP=1 (the default
     divisor): the reshard keeps every real row; the checkpoint tool plans it first."""
@@ -251,7 +274,8 @@ BUCKETS = {"dense": ["--higgs-link-gbps", "100"],  # the default --higgs-sync au
            "sparse": ["--higgs-sync", "sparse", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.05"]}
 
 
-@pytest.mark.parametrize("buckets", BUCKETS)
+@pytest.mark.parametrize("buckets", [pytest.param(name, marks=pytest.mark.oracle) if name == "sparse" else name
+                                     for name in BUCKETS])
 def test_a_hang_past_the_step_timeout_is_one_alignment_and_changes_nothing(tmp_path, buckets):
     """hang@1:3:6 under --higgs-step-timeout 2 (DP=2, distributed optimizer): rank 0 gives the
     sync up, every rank drops the step, rebuilds its data-parallel groups and runs iteration 3
@@ -265,6 +289,70 @@ def test_a_hang_past_the_step_timeout_is_one_alignment_and_changes_nothing(tmp_p
     assert sorted(iterations(hang)) == list(range(1, 7))
     assert column(hang, "lm loss") == column(clean, "lm loss")
     assert "number of skipped iterations:   1" not in hang
+    assert_same_checkpoint(tmp_path, "iter_0000006")
+
+
+# Layouts beyond DP, TP x DP and PP x DP (above): (ranks, flags, global batch)
+MORE_LAYOUTS = {
+    "cp2xdp2": (4, ["--context-parallel-size", "2"], 4),
+    "cp2xdp2-distopt": (4, ["--context-parallel-size", "2", "--use-distributed-optimizer"], 4),
+    "vpp2xpp2xdp2-distopt": (4, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                 "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer"], 8),
+    "instances2xdp4": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"], 8),
+    "overlap-param-gather": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 4),
+}
+
+
+@pytest.mark.parametrize("layout", MORE_LAYOUTS)
+def test_a_layout_equals_dense_aligns_once_and_resumes_bitwise(tmp_path, layout):
+    """Context parallel, virtual pipeline stages, distributed-optimizer instances and the
+    overlapped parameter gather, each: ``--higgs-compressor none`` is Megatron's DDP (losses and
+    grad norms); at 5% with error feedback, a hang@1:3 past ``--higgs-step-timeout 2`` is one
+    alignment that changes nothing (losses, the checkpoint at 6); and the checkpoint at 3
+    resumes into the same iterations 4-6 and the same checkpoint at 6."""
+    nproc, flags, batch = MORE_LAYOUTS[layout]
+
+    def run(*argv: str) -> str:
+        return megatron_lm(nproc, *flags, "--hidden-dropout", "0", "--attention-dropout", "0", *argv,
+                           global_batch=batch).stdout
+
+    dense, none = run(), run("--use-higgs", "--higgs-compressor", "none")
+    assert column(none, "lm loss") == column(dense, "lm loss") and len(column(dense, "lm loss")) == 6
+    assert column(none, "grad norm") == column(dense, "grad norm")
+
+    sparse = ["--use-higgs", *BUCKETS["sparse"], "--higgs-step-timeout", "2", "--save-interval", "3"]
+    clean = run(*sparse, "--save", str(tmp_path / "a"))
+    hang = run(*sparse, "--save", str(tmp_path / "b"), "--inject-fault", "hang@1:3:6")
+    alignments = re.findall(r"progress alignment at iteration (\d+): step dropped on every rank", hang)
+    assert alignments == ["3"], hang[-3000:]
+    assert column(hang, "lm loss") == column(clean, "lm loss")
+    assert column(hang, "grad norm") == column(clean, "grad norm")
+    assert_same_checkpoint(tmp_path, "iter_0000006")
+
+    resumed = run(*sparse, "--save", str(tmp_path / "c"), "--load", str(tmp_path / "a"), "--checkpoint-version", "3")
+    full, tail = iterations(clean), iterations(resumed)
+    assert sorted(tail) == [4, 5, 6] and [tail[i]["grad norm"] for i in (4, 5, 6)] == [full[i]["grad norm"]
+                                                                                      for i in (4, 5, 6)]
+    assert_same_checkpoint(tmp_path, "iter_0000006", other="c")
+
+
+@pytest.mark.oracle
+def test_an_iteration_megatron_lms_rerun_state_machine_runs_twice_syncs_as_once(tmp_path):
+    """Megatron-LM's rerun state machine (``--rerun-mode validate_results``, its default) with an
+    injected transient error runs the forward-backward of the iterations it picks twice on the
+    same data, so HiggsDDP syncs twice before one optimizer step. Each sync starts from the
+    residual the last kept step left, and the step counts once: the run (5% compressed, error
+    feedback) is bitwise the one with reruns disabled, losses, grad norms and the checkpoint.
+    The injection lands on the spiky-loss check, which is not fatal: after the rerun the
+    iteration goes on (a fatal check, the NaN one, ends the job with Megatron-LM's exit 17)."""
+    common = [*DRILL, *BUCKETS["sparse"], "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss"]
+    disabled = megatron_lm(2, *common, "--rerun-mode", "disabled", "--save", str(tmp_path / "a")).stdout
+    proc = megatron_lm(2, *common, "--rerun-mode", "validate_results", "--error-injection-rate", "2",
+                       "--error-injection-type", "transient_error", "--save", str(tmp_path / "b"))
+    reruns = (proc.stdout + proc.stderr).count("Continuing normal execution because failed validation was not fatal")
+    assert reruns >= 2, (proc.stdout + proc.stderr)[-3000:]  # iterations run twice, then stepped
+    assert column(proc.stdout, "lm loss") == column(disabled, "lm loss") and len(column(disabled, "lm loss")) == 6
+    assert column(proc.stdout, "grad norm") == column(disabled, "grad norm")
     assert_same_checkpoint(tmp_path, "iter_0000006")
 
 
@@ -292,19 +380,23 @@ use_checkout(check_checkout({checkout!r}))
 from megatron_lm.install import MEGATRON_LM_SYMBOLS
 from higgs_megatron.compat.symbols import Symbol, symbol_problems
 assert symbol_problems(MEGATRON_LM_SYMBOLS) == [], symbol_problems(MEGATRON_LM_SYMBOLS)
-reshaped = Symbol("megatron.training.training:pretrain", ("cfg_container",), "as 0.19 has it")
+reshaped = Symbol("megatron.training.training:pretrain", ({other_first!r},), "as the other release has it")
 print(symbol_problems([reshaped])[0])
 """
 
 
+@pytest.mark.oracle
 def test_what_the_patches_rebind_is_as_they_rely_on_and_a_change_is_named():
-    """The checkout's training code has every symbol the patches rebind, with the parameters
-    they pass; a reshaped one (0.19's ``pretrain(cfg_container, ...)``) is named."""
+    """Megatron-LM's training code has every symbol the patches rebind, with the parameters
+    they pass; a reshaped one (``pretrain``, as the other supported release has it: 0.16.1's
+    ``pretrain(train_valid_test_dataset_provider, ...)``, 0.19's ``pretrain(cfg_container, ...)``)
+    is named."""
     import subprocess
     import sys
 
-    script = SYMBOLS_CHECK.format(patches=str(REPO_ROOT / "patches"), checkout=CHECKOUT)
+    first, other_first = ("cfg_container", "train_valid_test_dataset_provider") if WHEEL else \
+        ("train_valid_test_dataset_provider", "cfg_container")
+    script = SYMBOLS_CHECK.format(patches=str(REPO_ROOT / "patches"), checkout=CHECKOUT, other_first=other_first)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith(
-        "megatron.training.training:pretrain takes (train_valid_test_dataset_provider, model_provider")
+    assert proc.stdout.strip().splitlines()[-1].startswith(f"megatron.training.training:pretrain takes ({first}, ")

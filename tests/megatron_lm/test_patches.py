@@ -14,7 +14,7 @@ from higgs_megatron_bench.ranks import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "patches"))
 
 from megatron_lm.arguments import add_patch_args, chain_args_providers, translate_args  # noqa: E402
-from megatron_lm.checkout import TESTED_TAG, CheckoutError, check_checkout, checkout_version  # noqa: E402
+from megatron_lm.checkout import CheckoutError, check_checkout, checkout_version  # noqa: E402
 
 
 def megatron_like_parser() -> argparse.ArgumentParser:
@@ -40,6 +40,14 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ddp-param-name-patterns-for-fp32-local-accumulation", nargs="+", default=[])
     parser.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                         dest="check_for_nan_in_loss_and_grad")
+    parser.add_argument("--async-strategy", default="nvrx")  # 0.19's default (a config field there)
+    parser.add_argument("--inprocess-restart", action="store_true")
+    parser.add_argument("--enable-ft-package", action="store_true")
+    parser.add_argument("--optimizer-cuda-graph", action="store_true")
+    parser.add_argument("--cuda-graph-impl", default="none")
+    parser.add_argument("--fp8-format", dest="fp8", default=None)
+    parser.add_argument("--fp8-param-gather", action="store_true")
+    parser.add_argument("--num-experts", type=int, default=None)
     return parser
 
 
@@ -99,7 +107,8 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--checkpoint-version", "0", "--load", "/x"], r"--checkpoint-version 0: expected an iteration, 1 or more"),
     (["--ckpt-step", "0", "--load", "/x"], r"--ckpt-step 0: expected an iteration, 1 or more"),
     (["--non-persistent-save-interval", "5"], r"--non-persistent-save-interval: .*not with --use-higgs"),
-    (["--optimizer", "muon"], r"--optimizer muon"),
+    (["--optimizer", "muon"], r"--optimizer muon: .*use adam or sgd"),
+    (["--optimizer", "lion"], r"--optimizer lion: .*use adam or sgd"),  # 0.19's
     (["--ddp-reduce-scatter-with-fp32-accumulation"], r"--ddp-reduce-scatter-with-fp32-accumulation: .*not with"),
     (["--ddp-param-name-patterns-for-fp32-local-accumulation", "*.weight"],
      r"--ddp-param-name-patterns-for-fp32-local-accumulation: .*not with --use-higgs"),
@@ -122,6 +131,13 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--inject-fault", "hang@1"], r"--inject-fault 'hang@1': expected KIND@RANK:ITER\[:SECONDS\]"),
     (["--inject-fault", "nan@0:2"], r"--inject-fault nan: .*add --no-check-for-nan-in-loss-and-grad"),
     (["--higgs-step-timeout", "5", "--calculate-per-token-loss"], r"--higgs-step-timeout with --calculate-per-token"),
+    (["--inprocess-restart"], r"--inprocess-restart: NVRx's in-process restart .*: not with --use-higgs"),
+    (["--enable-ft-package"], r"--enable-ft-package: NVRx's fault tolerance"),
+    (["--optimizer-cuda-graph"], r"--optimizer-cuda-graph: it replaces optimizer.step"),
+    (["--cuda-graph-impl", "local"], r"--cuda-graph-impl local: CUDA graphs are not tested"),
+    (["--fp8-format", "hybrid"], r"--fp8-format: FP8 training"),
+    (["--fp8-param-gather"], r"--fp8-param-gather: FP8 parameter buffers"),
+    (["--num-experts", "4"], r"--num-experts: HiggsDDP does not reduce expert-parallel gradients yet"),
 ])
 def test_bad_flags_are_named_and_args_are_left_untouched(flags, message):
     args = parse("--use-higgs", *flags)
@@ -139,6 +155,7 @@ def test_our_flags_map_onto_megatron_lms():
     assert config.checkpoint.checkpoint_version == 30 and config.checkpoint.async_checkpoint
     assert args.ckpt_step == 30
     assert args.async_save and args.use_persistent_ckpt_worker
+    assert args.async_strategy == "mcore"  # megatron-core's writer, whose requests the rank map's commit follows
     assert args.dist_ckpt_optim_fully_reshardable  # so that --recovery-mode reshard can load it later
     assert args.recovery_mode == "same-sharding"
     assert not hasattr(args, "higgs_config")  # Megatron-LM pickles args into checkpoints
@@ -178,7 +195,8 @@ def test_checkout_version_check(tmp_path, write_checkout, monkeypatch):
     good = write_checkout(tmp_path / "good")
     assert checkout_version(good) == "0.16.1" and check_checkout(good) == good.resolve()
     old = write_checkout(tmp_path / "old", (0, 15, 0))
-    with pytest.raises(CheckoutError, match=rf"version 0.15.0; .*tested with 0.16.1 \(tag {TESTED_TAG}\).*"
+    with pytest.raises(CheckoutError, match=r"version 0.15.0; with megatron-core 0.16.1 these patches are tested with "
+                                            r"a checkout at core_v0.16.1. Check out core_v0.16.1, or pass "
                                             r"--higgs-allow-untested-megatron-lm"):
         check_checkout(old)
     with pytest.warns(UserWarning, match="running anyway"):
@@ -187,15 +205,30 @@ def test_checkout_version_check(tmp_path, write_checkout, monkeypatch):
         check_checkout(tmp_path / "absent")
     with pytest.raises(CheckoutError, match="pretrain_gpt.py is missing"):
         check_checkout(tmp_path)
-
-
-def test_the_patches_refuse_megatron_core_0_19_naming_it(tmp_path, write_checkout, monkeypatch):
-    _installed(monkeypatch, "0.19.2")
-    with pytest.raises(CheckoutError, match=r"the installed megatron-core is 0.19.2; the Megatron-LM patches run on "
-                                            r"megatron-core 0.16.1 .*not supported yet"):
-        check_checkout(write_checkout(tmp_path / "good"))
-    with pytest.raises(CheckoutError, match="MEGATRON_LM_PATH"):
+    with pytest.raises(CheckoutError, match=r"no Megatron-LM checkout given: .*MEGATRON_LM_PATH .*tag core_v0.16.1; "
+                                            r"megatron-core 0.16.1 does not ship Megatron-LM's training code"):
         check_checkout(None)
+
+
+def test_on_megatron_core_0_19_the_wheels_training_code_runs_and_a_checkout_must_match_it(tmp_path, write_checkout,
+                                                                                          monkeypatch):
+    _installed(monkeypatch, "0.19.2")
+    assert check_checkout(None) is None  # the wheel's megatron.training, through gpt_entry
+    matching = write_checkout(tmp_path / "v19", (0, 19, 0))
+    assert check_checkout(matching) == matching.resolve()  # its pretrain_gpt.py on the wheel's training code
+    with pytest.raises(CheckoutError, match=r"is version 0.16.1; with megatron-core 0.19.2 these patches are tested "
+                                            r"with a checkout at core_v0.19.0"):
+        check_checkout(write_checkout(tmp_path / "v16"))
+
+
+def test_an_untested_megatron_core_is_refused_naming_the_tested_ones(tmp_path, write_checkout, monkeypatch):
+    _installed(monkeypatch, "0.20.0")
+    with pytest.raises(CheckoutError, match=r"the installed megatron-core is 0.20.0; the Megatron-LM patches are "
+                                            r"tested with megatron-core 0.16 \(tag core_v0.16.1\) and 0.19 "
+                                            r"\(tag core_v0.19.0\)"):
+        check_checkout(None)
+    with pytest.warns(UserWarning, match="running anyway"):
+        assert check_checkout(None, allow_untested=True) is None  # 0.20 ships megatron.training
 
 
 def test_a_usage_error_is_said_once_wherever_it_is_caught(caplog):
@@ -218,3 +251,13 @@ def test_a_usage_error_is_said_once_wherever_it_is_caught(caplog):
     assert [record.getMessage() for record in caplog.records].count("--foo: expected bar") == 1
     with pytest.raises(RuntimeError, match="not ours"):  # anything else keeps its traceback
         exit_status(lambda: (_ for _ in ()).throw(RuntimeError("not ours")), prog="test")
+
+
+@pytest.mark.skipif(not __import__("megatron_lm.checkout").checkout.wheel_ships_training(),
+                    reason="gpt_entry runs on a megatron-core that ships megatron.training (0.19)")
+def test_gpt_entry_names_what_only_megatron_lms_own_script_does():
+    from megatron_lm.gpt_entry import script_only_flags
+
+    args = argparse.Namespace(sft=False, fim_data=True, logits_load_dir="/logits", hybrid_context_parallel=False)
+    assert script_only_flags(args) == ["--fim-data", "--logits-load-dir"]
+    assert script_only_flags(argparse.Namespace(sft=False)) == []
