@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .compat.rebind import Rebinds
+
 __all__ = ["cpu_megatron", "is_active", "CpuMegatronError"]
 
 _CPU = torch.device("cpu")
@@ -177,12 +179,11 @@ class _Scope:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.depth = 0
-        self.saved: list[tuple[Any, str, Any]] = []
+        self.rebinds = Rebinds()
         self.log_filter = _ForkWarningFilter()
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
-        self.saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
+        self.rebinds.rebind(owner, name, value)
 
     def enter(self) -> None:
         with self.lock:
@@ -210,9 +211,7 @@ class _Scope:
                 import megatron.core.tensor_parallel.random as mp_random
 
                 logging.getLogger(mp_random.__name__).removeFilter(self.log_filter)
-                for owner, name, value in reversed(self.saved):
-                    setattr(owner, name, value)
-                self.saved.clear()
+                self.rebinds.restore()
 
 
 _SCOPE = _Scope()

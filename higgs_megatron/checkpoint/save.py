@@ -51,6 +51,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from .. import __version__
 from ..compat.checkpointing import writer_errors
+from ..compat.rebind import rebound
 from ..compat.versions import MEGATRON_CORE_VERSION
 from .manifest import (CHECKPOINT_NAME, LATEST, CheckpointError, FileRecord, Manifest, RankRecord, ShardRecord,
                        committed_checkpoints, current_coords, current_layout, sha256_of)
@@ -226,12 +227,8 @@ def thread_results_queue() -> Iterator[None]:
     thread of it (an asynchronous one), so a thread queue serves. It is in place only while the
     save is planned (the writer keeps its own reference), so megatron-core's process-based saves
     elsewhere still get theirs, and a failed save leaves nothing behind for the next."""
-    previous = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
-    try:
+    with rebound((filesystem_async, "_results_queue", queue.Queue())):
         yield
-    finally:
-        filesystem_async._results_queue = previous
 
 
 def save_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: int | None = None) -> SaveResult:

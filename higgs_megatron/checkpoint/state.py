@@ -36,6 +36,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from ..compat.rebind import rebound
 from ..ddp import HiggsDDP
 from .manifest import ShardRecord
 
@@ -115,13 +116,11 @@ def tolerate_torch_adam_step():
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         destination = {"param": main_param, **self.optimizer.state[main_param]}
         for key, value in tensors.items():
-            destination[key].copy_(value)
+            if isinstance(value, torch.Tensor):  # as megatron-core 0.19's own: non-tensor state is not copied
+                destination[key].copy_(value)
 
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_present_states
-    try:
+    with rebound((DistributedOptimizer, "_set_main_param_and_optimizer_states", set_present_states)):
         yield
-    finally:
-        DistributedOptimizer._set_main_param_and_optimizer_states = original
 
 
 def spread_model_writes(model_sd: dict, dp_rank: int, dp_size: int) -> None:
@@ -276,7 +275,15 @@ def owner_param_state(optimizer, model_sharded_state_dict, is_loading: bool = Fa
 
     if not is_loading:
         _join_pieces(optimizer.data_parallel_group, pieces, params, whole)
-    return _sharded(whole, metadata)
+    return _sharded(whole, metadata, _in_first_instance())
+
+
+def _in_first_instance() -> bool:
+    """Whether this rank is in the first distributed-optimizer instance. With several, every
+    instance holds the whole optimizer state (its DP group is the instance's): the first's
+    owners write it, and the others' are replicas."""
+    group = parallel_state.get_inter_distributed_optimizer_instance_group(check_initialized=False)
+    return group is None or dist.get_rank(group) == 0
 
 
 def _join_pieces(group, pieces: list, params: dict, whole: dict) -> None:
@@ -324,7 +331,7 @@ def _join_pieces(group, pieces: list, params: dict, whole: dict) -> None:
         whole[index] = (model_param, states, True)
 
 
-def _sharded(whole: dict, metadata: dict) -> dict[int, dict]:
+def _sharded(whole: dict, metadata: dict, first_instance: bool) -> dict[int, dict]:
     """ShardedTensors with the model parameter's key, global shape and offsets."""
     model_space_state = {}
     for index, (model_param, states, owner) in sorted(whole.items()):
@@ -337,7 +344,7 @@ def _sharded(whole: dict, metadata: dict) -> dict[int, dict]:
         for key, value in states.items():
             data = value.view(sharded.data.shape)
             replace = dict(key=f"{PREFIX}.{key}.{sharded.key}", data=data, dtype=data.dtype,
-                           replica_id=_replica_id(sharded.replica_id, sharded.key, owner))
+                           replica_id=_replica_id(sharded.replica_id, sharded.key, owner and first_instance))
             if isinstance(sharded, ShardedTensorFactory):
                 replace.pop("dtype")
             tensors[key] = dataclasses.replace(sharded, **replace)
@@ -354,7 +361,6 @@ def owner_written_optimizer_state() -> Iterator[None]:
     loop's time, and nothing it would collect is allocated here."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    original_param_state = DistributedOptimizer.sharded_param_state_fully_reshardable
     original_state_dict = DistributedOptimizer.sharded_state_dict
 
     def sharded_param_state(self, model_sharded_state_dict, is_loading=False, metadata=None):
@@ -369,10 +375,6 @@ def owner_written_optimizer_state() -> Iterator[None]:
         state_dict["param_state_sharding_type"] = "fully_reshardable"
         return state_dict
 
-    DistributedOptimizer.sharded_param_state_fully_reshardable = sharded_param_state
-    DistributedOptimizer.sharded_state_dict = sharded_state_dict
-    try:
+    with rebound((DistributedOptimizer, "sharded_param_state_fully_reshardable", sharded_param_state),
+                 (DistributedOptimizer, "sharded_state_dict", sharded_state_dict)):
         yield
-    finally:
-        DistributedOptimizer.sharded_param_state_fully_reshardable = original_param_state
-        DistributedOptimizer.sharded_state_dict = original_state_dict

@@ -7,7 +7,8 @@
   not in the middle of a run;
 * ``rebind``: the one helper that rebinds a name on someone else's module or class and puts
   it back;
-* ``checkpointing``: where megatron-core's checkpoint writer differs between the releases.
+* ``checkpointing``: where megatron-core's checkpoint writer differs between the releases;
+* ``groups``: where megatron-core holds its process groups, for the swap after a rebuild.
 
 docs/megatron_compat.md lists the private symbols per release.
 """

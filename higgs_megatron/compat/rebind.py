@@ -4,12 +4,14 @@ Megatron builds what it runs from names it looks up at call time (``training.DDP
 class's method): rebinding one changes what it builds without copying its code. Every
 rebinding goes through a ``Rebinds``, which keeps the first original of each name, so that
 ``restore()`` leaves the owners exactly as they were, and ``original`` reaches the function a
-wrapper wraps however many times the name was rebound.
+wrapper wraps however many times the name was rebound. ``rebound`` is the same for the
+duration of a block.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 
 class Rebinds:
@@ -34,3 +36,16 @@ class Rebinds:
             setattr(owner, name, value)
         self._originals.clear()
 
+
+
+@contextmanager
+def rebound(*bindings: tuple[Any, str, Any]) -> Iterator[Rebinds]:
+    """``owner.name = value`` for each ``(owner, name, value)`` for the duration of the block,
+    put back after it, whatever ends it."""
+    rebinds = Rebinds()
+    try:
+        for owner, name, value in bindings:
+            rebinds.rebind(owner, name, value)
+        yield rebinds
+    finally:
+        rebinds.restore()

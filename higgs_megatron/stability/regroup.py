@@ -41,6 +41,7 @@ from typing import Any, Iterable
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from ..compat.groups import group_holders, replace_groups
 from ..logs import get_logger
 
 log = get_logger(__name__)
@@ -115,8 +116,6 @@ def rebuild_process_groups(chunks: list, optimizers: list, store: dist.Store, at
     """Steps 1-4 of the module docstring for the ``HiggsDDP`` chunks ``chunks`` and the Megatron
     optimizers ``optimizers``; every rank calls it together. ``attempt`` keys the store
     exchange. Returns the seconds it took."""
-    import megatron.core.parallel_state as parallel_state
-
     started = time.monotonic()
     for chunk in chunks:
         _drain(chunk.take_abandoned_works(), timeout)
@@ -139,10 +138,6 @@ def rebuild_process_groups(chunks: list, optimizers: list, store: dist.Store, at
         group = dist.new_group(list(ranks), backend=name)
         if rank in ranks:
             new[(ranks, name)] = group
-    replacement = {key: new[(ranks_of[key], backend[key])] for key in old}
-    holders = [parallel_state] + [holder for chunk in chunks for holder in chunk.group_holders()] + list(optimizers)
-    for holder in holders:
-        for name, value in list(vars(holder).items()):
-            if id(value) in replacement and value is old[id(value)]:
-                setattr(holder, name, replacement[id(value)])
+    replace_groups(group_holders(chunks, optimizers), {key: (old[key], new[(ranks_of[key], backend[key])])
+                                                       for key in old})
     return time.monotonic() - started

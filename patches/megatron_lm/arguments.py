@@ -91,6 +91,10 @@ def refused_with_higgs(args: argparse.Namespace) -> list[str]:
     found = [f"{flag}: {why}" for flag, dest, why in REFUSED_WITH_HIGGS if getattr(args, dest, None)]
     if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
         found.append(f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not tested with HiggsDDP's reduction")
+    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+        found.append(f"--context-parallel-size {args.context_parallel_size}: Megatron's context parallel needs "
+                     "Transformer Engine's attention (a GPU), where HiggsDDP over its data-and-context group is "
+                     "not tested yet")
     return found
 
 

@@ -37,6 +37,7 @@ from typing import Any, Iterator
 
 import torch
 
+from higgs_megatron.compat.rebind import rebound
 from higgs_megatron.cpu import named_noop, cpu_megatron
 
 # (flag, how argparse stores it, the value CPU needs); a flag whose dest changed between
@@ -129,27 +130,18 @@ def megatron_lm_on_cpu() -> Iterator[None]:
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
     import megatron.training.training as training
 
-    saved: list[tuple[Any, str, Any]] = []
-
-    def patch(owner: Any, name: str, value: Any) -> None:
-        saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    with cpu_megatron():
-        try:
-            for name, value in _MEMORY_REPORTS.items():
-                patch(torch.cuda, name, value)
-            try:
-                import megatron.legacy.fused_kernels as fused_kernels
-            except ImportError:  # from 0.18 on nothing builds kernels at start
-                pass
-            else:
-                patch(fused_kernels, "load", named_noop("load"))
-            patch(PersistentAsyncCaller, "async_loop", staticmethod(persistent_worker_on_cpu))
-            patch(training, "build_train_valid_test_data_iterators",
-                  _fenced_from_rng(training.build_train_valid_test_data_iterators))
-            patch(training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True))
-            yield
-        finally:
-            for owner, name, value in reversed(saved):
-                setattr(owner, name, value)
+    bindings = [(torch.cuda, name, value) for name, value in _MEMORY_REPORTS.items()]
+    try:
+        import megatron.legacy.fused_kernels as fused_kernels
+    except ImportError:  # from 0.18 on nothing builds kernels at start
+        pass
+    else:
+        bindings.append((fused_kernels, "load", named_noop("load")))
+    bindings += [
+        (PersistentAsyncCaller, "async_loop", staticmethod(persistent_worker_on_cpu)),
+        (training, "build_train_valid_test_data_iterators",
+         _fenced_from_rng(training.build_train_valid_test_data_iterators)),
+        (training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True)),
+    ]
+    with cpu_megatron(), rebound(*bindings):
+        yield

@@ -9,7 +9,8 @@ import types
 import pytest
 
 from higgs_megatron.compat import symbols, versions
-from higgs_megatron.compat.rebind import Rebinds
+from higgs_megatron.compat.groups import replace_groups
+from higgs_megatron.compat.rebind import Rebinds, rebound
 from higgs_megatron.compat.symbols import Symbol, check_symbols, symbol_problems
 from higgs_megatron.compat.versions import UntestedMegatron, check_megatron_core, supported
 from higgs_megatron.runtime.exits import UsageError
@@ -88,6 +89,22 @@ def test_rebinds_keep_the_first_original_and_restore_everything():
     assert rebinds.original(owner, "run") is first
     rebinds.restore()
     assert owner.run is first
+
+
+def test_a_rebound_block_puts_the_names_back_whatever_ends_it():
+    owner = types.SimpleNamespace(run="original", build="plain")
+    with pytest.raises(KeyError):
+        with rebound((owner, "run", "patched"), (owner, "build", "patched")):
+            assert owner.run == owner.build == "patched"
+            raise KeyError("the block fails")
+    assert owner.run == "original" and owner.build == "plain"
+
+
+def test_group_references_are_replaced_by_identity():
+    old, new, other = object(), object(), object()
+    holder = types.SimpleNamespace(dp=old, alias=old, tp=other, name="dp")
+    replace_groups([holder], {id(old): (old, new)})
+    assert holder.dp is new and holder.alias is new and holder.tp is other and holder.name == "dp"
 
 
 

