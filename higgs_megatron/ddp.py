@@ -23,10 +23,12 @@ Per bucket group, per step (once, on the accumulated gradient, never per micro-b
    the config, those agreed costs, the bucket and the step's density (``grad_paths.DensitySchedule``),
    so every DP peer issues the same collectives in the same order with the same sizes.
 3. With error feedback, ``acc = grad + residual`` on both paths; the residual left for the
-   next step is staged. Under ``HiggsOptimizer`` it commits when the optimizer takes the
-   step (``commit_step``) and is dropped when every rank skips it (``rollback_residuals``),
-   so a sync run again within one iteration (Megatron-LM's rerun state machine) starts from
-   the same residual and counts one step; without it, it commits when the next sync starts.
+   next step is staged, and settled by the next sync as it adds the residual in: committed if
+   the optimizer took the step since (``HiggsOptimizer`` counts them on a ``StepLedger``),
+   dropped if not, and dropped at once when every rank skips it (``rollback_residuals``). So a
+   sync run again within one iteration (Megatron-LM's rerun state machine) starts from the
+   same residual and counts one step. Without ``HiggsOptimizer``, each sync keeps the one
+   before it.
 4. The collectives are asynchronous when ``overlap_grad_reduce`` is on; the handle's
    ``wait`` finishes them and writes the summed gradient into the bucket.
 
@@ -159,6 +161,15 @@ class SyncStats:
 
 
 @dataclass
+class StepLedger:
+    """The optimizer steps taken (updates applied), counted by the optimizer that wraps the
+    chunk: a plain counter it bumps without calling in here, read by each bucket group as its
+    next sync starts (``HiggsBucketGroup._last_step_kept``)."""
+
+    taken: int = 0
+
+
+@dataclass
 class _Shared:
     """State shared by all bucket groups of one HiggsDDP."""
 
@@ -168,8 +179,7 @@ class _Shared:
     stats: SyncStats = field(default_factory=SyncStats)
     trace: list[tuple[str, int]] | None = None
     check_nonfinite: bool = False
-    # Whether the optimizer settles each step (``HiggsOptimizer``): see ``HiggsBucketGroup._settle``.
-    settled_by_optimizer: bool = False
+    ledger: StepLedger | None = None  # with HiggsOptimizer: the steps it took (``HiggsDDP.step_ledger``)
     compress_timer: DeviceTimer = field(default_factory=DeviceTimer)
     waits: StepWaits = field(default_factory=StepWaits)  # how the step's collectives are waited for (bounded or not)
     nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical", or several optimizer instances
@@ -235,6 +245,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     higgs_residuals: list[ResidualBuffer | None]
     higgs_steps: int  # the steps settled as kept: what the density schedule counts
     higgs_synced: bool  # a sync ran whose step is not settled yet
+    higgs_synced_at: int  # the ledger's count when it ran
     higgs_nonfinite: torch.Tensor | None
 
     def _higgs_attach(self, shared: _Shared, index: int) -> None:
@@ -242,6 +253,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_index = index
         self.higgs_steps = 0
         self.higgs_synced = False
+        self.higgs_synced_at = 0
         self.higgs_nonfinite: torch.Tensor | None = None
         nodes = shared.nodes
         shape = None if nodes is None else NodeShape(nodes.nodes, nodes.ranks_per_node, nodes.local_index,
@@ -271,18 +283,21 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     def higgs_plans(self) -> list[BucketPlan | None]:
         return [paths.plan for paths in self.higgs_buckets]
 
-    def _settle(self, kept: bool) -> None:
-        """End the step of the last sync: what it staged (residuals, agreed block scores) becomes
-        the state and the step counts (``kept``), or is dropped. Idempotent: a second call, or
-        one with no sync since, does nothing, so a step is counted once however many times
-        its iteration synced."""
-        if not self.higgs_synced:
-            return
+    def _last_step_kept(self) -> bool:
+        """Whether the optimizer took the step of the last sync: then what it staged (residuals,
+        agreed block scores) is the state and the step counts; else the same iteration is
+        syncing again (Megatron-LM's rerun state machine) or the update was skipped, and this
+        sync starts from the state before. Without a ledger, each sync follows a kept step."""
+        ledger = self.higgs.ledger
+        return not self.higgs_synced or ledger is None or ledger.taken > self.higgs_synced_at
+
+    def _rollback(self) -> None:
+        """Drop what the last sync staged (every rank skipped its step)."""
         for buffer in (*self.higgs_residuals, *self.higgs_scores):
             if buffer is not None:
-                buffer.commit() if kept else buffer.rollback()
-        self.higgs_steps += int(kept)
+                buffer.rollback()
         self.higgs_synced = False
+        self.higgs_synced_at = 0
 
     @property
     def _communication_group(self) -> dist.ProcessGroup:
@@ -343,11 +358,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
                              check_for_large=self.ddp_config.check_for_large_grads)
         shared = self.higgs
-        # What an earlier sync staged: with an optimizer that settles each step, still staged
-        # means that sync's step was never taken (Megatron-LM's rerun state machine runs the
-        # iteration's forward-backward again): this sync starts from the same state. Without
-        # one, each sync is taken to follow a kept step.
-        self._settle(kept=not shared.settled_by_optimizer)
+        kept = self._last_step_kept()  # the buffers settle as the paths add their residuals in
+        self.higgs_steps += int(self.higgs_synced and kept)  # a step counts once, however often its iteration synced
+        self.higgs_synced = False
         if shared.trace is not None:
             shared.trace.append(("start", self.higgs_index))
         for bucket in self.buckets:
@@ -365,7 +378,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, force_all_reduce=bool(force_all_reduce),
             sums=[] if shared.check_nonfinite else None, comm=shared.comm, group=self._communication_group,
             selector=shared.selector, timer=shared.compress_timer, residuals=self.higgs_residuals,
-            scores=self.higgs_scores, group_index=self.higgs_index, megatron=self._megatron_collective,
+            scores=self.higgs_scores, kept=kept, group_index=self.higgs_index, megatron=self._megatron_collective,
             nodes=shared.nodes, waits=shared.waits,
             shard=self.intra_distributed_optimizer_instance_rank if distributed_optimizer else None)
         launch.stats.dense_bytes, launch.stats.dense_wire_bytes = self.higgs_dense_traffic
@@ -382,7 +395,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 launch.pending.append(pending)
         if launch.sums is not None:
             self.higgs_nonfinite = torch.isfinite(torch.stack(launch.sums)).all().logical_not()
-        self.higgs_synced = True
+        self.higgs_synced, self.higgs_synced_at = True, shared.ledger.taken if shared.ledger is not None else 0
         shared.stats.add(launch.stats)
         handle = _GroupHandle(launch.dense_works, launch.pending, shared.average_over if average else 1,
                               on_done=self._on_sync_done, waits=shared.waits)
@@ -550,21 +563,18 @@ class HiggsDDP(DistributedDataParallel):
             return torch.zeros((), dtype=torch.bool, device=self.bucket_groups[0].buckets[0].grad_data.device)
         return torch.stack(flags).any()
 
-    def settle_by_optimizer(self) -> None:
-        """From now on the optimizer ends each step (``commit_step`` or ``rollback_residuals``),
-        and a sync that finds its predecessor's step unsettled starts again from the state
-        before it (``HiggsBucketGroup._settle``)."""
-        self._higgs.settled_by_optimizer = True
-
-    def commit_step(self) -> None:
-        """The optimizer took the step: the residuals and scores the last sync staged are the state."""
-        for group in self.bucket_groups:
-            group._settle(kept=True)
+    def step_ledger(self) -> StepLedger:
+        """The counter the wrapping optimizer bumps for every update it applies; from now on a
+        sync's staged state is kept only if the optimizer took a step after it (see the module
+        docstring)."""
+        if self._higgs.ledger is None:
+            self._higgs.ledger = StepLedger()
+        return self._higgs.ledger
 
     def rollback_residuals(self) -> None:
         """Forget the residuals staged by the last sync (the step was skipped everywhere)."""
         for group in self.bucket_groups:
-            group._settle(kept=False)
+            group._rollback()
 
     def _residual_buffers(self) -> dict[str, ResidualBuffer]:
         return {f"group{g.higgs_index}.bucket{i}": residual
@@ -578,11 +588,13 @@ class HiggsDDP(DistributedDataParallel):
     def residual_state(self) -> dict[str, torch.Tensor]:
         """This rank's error-feedback residuals and the agreed block scores in force (what a
         resumed run must start from)."""
-        state = {name: buffer.current.clone()
-                 for name, buffer in {**self._residual_buffers(), **self._score_buffers()}.items()}
-        # a step synced and not yet settled counts: its staged residual is what ``current`` saves
-        state["steps"] = torch.tensor([g.higgs_steps + int(g.higgs_synced) for g in self.bucket_groups],
-                                      dtype=torch.long)
+        kept = {g.higgs_index: g._last_step_kept() for g in self.bucket_groups}  # the last step, taken or not
+        state = {f"group{g.higgs_index}.bucket{i}": residual.settled(kept[g.higgs_index]).clone()
+                 for g in self.bucket_groups for i, residual in enumerate(g.higgs_residuals) if residual is not None}
+        state.update({f"group{g.higgs_index}.bucket{i}.scores": scores.settled(kept[g.higgs_index]).clone()
+                      for g in self.bucket_groups for i, scores in enumerate(g.higgs_scores) if scores is not None})
+        state["steps"] = torch.tensor([g.higgs_steps + int(g.higgs_synced and kept[g.higgs_index])
+                                       for g in self.bucket_groups], dtype=torch.long)
         return state
 
     def load_residual_state(self, state: dict[str, torch.Tensor]) -> None:

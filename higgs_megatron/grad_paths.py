@@ -115,6 +115,7 @@ class StepLaunch:
     timer: DeviceTimer  # the compression's time
     residuals: list[ResidualBuffer | None]
     scores: list[ScoreBuffer | None]
+    kept: bool  # whether the optimizer took the last sync's step: what it staged is kept, else dropped
     group_index: int  # the bucket group's index: with a bucket's, the selector's key (``key``)
     megatron: Callable[[int, torch.Tensor, "StepLaunch"], Any]  # Megatron's own collective for bucket idx
     shard: int | None = None  # with the distributed optimizer: this rank's shard of each bucket
@@ -164,7 +165,7 @@ def _dense_feedback(step: StepLaunch, idx: int, grad: torch.Tensor, piece: tuple
         return
     lo, hi = piece or (0, grad.numel())
     with step.timer.measure(grad.device):
-        residual.accumulate(grad.narrow(0, lo, hi - lo))
+        residual.accumulate(grad.narrow(0, lo, hi - lo), step.kept)
         residual.stage_all_sent()
 
 
@@ -211,7 +212,7 @@ class Bf16Dense:
     def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float) -> Any:
         residual = step.residuals[idx]
         with step.timer.measure(grad.device):
-            residual.accumulate(grad)
+            residual.accumulate(grad, step.kept)
             wire = grad.to(torch.bfloat16)
             residual.stage_rounded(grad, wire)
         step.count(dense=True)
@@ -237,7 +238,7 @@ class SparseForm:
                payload: Payload | None = None) -> Any:
         with step.timer.measure(grad.device):
             packed = pack_with_feedback(grad, self.plan, density, step.selector, step.residuals[idx],
-                                        key=step.key(idx), payload=payload)
+                                        key=step.key(idx), payload=payload, kept=step.kept)
         step.stats.bytes_sent += packed.buffer.numel()
         step.count(dense=payload is DENSE_INT8)
         step.check(grad)
@@ -266,7 +267,8 @@ class HierarchicalForm:
         step.check(grad)
         work, piece = node_reduce_scatter(step.comm, grad, nodes.intra, step.waits, bounded=step.bounded)
         with step.timer.measure(grad.device):
-            packed = pack_with_feedback(piece, plan, density, step.selector, step.residuals[idx], key=step.key(idx))
+            packed = pack_with_feedback(piece, plan, density, step.selector, step.residuals[idx], key=step.key(idx),
+                                        kept=step.kept)
         # Bytes handed to collectives: the node's reduce-scatter (and all-gather), and the payload.
         node_bytes = (1 if nodes.instances else 2) * (work.numel() - piece.numel()) * work.element_size()
         step.stats.bytes_sent += packed.buffer.numel() + node_bytes
@@ -301,8 +303,9 @@ class AgreedForm:
         layout = plan.layout(density)
         with step.timer.measure(grad.device):
             if residual is not None:
-                residual.accumulate(grad)
+                residual.accumulate(grad, step.kept)
             step.check(grad)
+            scores.settle(step.kept)
             positions, real = plan.select(scores.committed, density)
             values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
             rows, rounded = pack_rows(values, value_format, layout.span)
@@ -360,7 +363,7 @@ class ShardedForm:
         payload = payload or plan.payload
         with step.timer.measure(grad.device):
             if residual is not None:
-                residual.accumulate(grad)
+                residual.accumulate(grad, step.kept)
             step.check(grad)  # before the small parameters are taken out
             always = plan.take_always(grad)
             rows = plan.compress_rows(grad, density, step.selector, step.comm.rank(step.group), key=step.key(idx),

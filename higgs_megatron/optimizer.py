@@ -15,8 +15,9 @@
   during the sync; why its sync cannot be trusted, if a bounded wait ran out) are agreed on
   by every rank, read once. If any rank cannot keep the step, every rank drops it, here and
   only here: no optimizer update, gradients zeroed, the residuals staged by this step rolled
-  back (a kept step commits them: ``HiggsDDP.commit_step``; the same sync run twice in one
-  iteration starts twice from the same residual), and ``step()`` returns ``(False, None, None)`` everywhere (a partial skip would hang
+  back (a kept step is counted on each chunk's ``StepLedger``, which commits them when the
+  next sync starts; the same sync run twice in one iteration starts twice from the same
+  residual), and ``step()`` returns ``(False, None, None)`` everywhere (a partial skip would hang
   the distributed optimizer's parameter all-gather). After a given-up sync the data-parallel
   groups are rebuilt (``stability.regroup``) before anything else runs on them.
   ``take_verdict()`` says what the last step decided (once); ``on_skip`` callbacks hear of every drop.
@@ -58,7 +59,7 @@ class HiggsOptimizer(MegatronOptimizer):
         self.regroup_seconds = 0.0
         for chunk in self.model_chunks:
             chunk.track_nonfinite(True)
-            chunk.settle_by_optimizer()
+        self._ledgers = [chunk.step_ledger() for chunk in self.model_chunks]
         config = self.model_chunks[0].higgs_config if self.model_chunks else None
         if config is not None and config.freeze_adam_variance:
             inner = [torch_optimizer for _, torch_optimizer in torch_optimizers(optimizer)]
@@ -97,8 +98,9 @@ class HiggsOptimizer(MegatronOptimizer):
         verdict = self._verdict = self._decide()
         if verdict.keep:
             result = self.inner.step()
-            for chunk in self.model_chunks:  # an update the optimizer itself skipped (loss scale) keeps nothing
-                chunk.commit_step() if result[0] else chunk.rollback_residuals()
+            if result[0]:  # an update the optimizer itself skipped (loss scale) keeps no residual
+                for ledger in self._ledgers:
+                    ledger.taken += 1
             return result
         self.skipped_steps += 1
         if verdict.sync_failed:  # first: the drain lets given-up collectives finish writing the buffers

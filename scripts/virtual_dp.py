@@ -207,11 +207,11 @@ class VirtualRank:
     def __init__(self, ddp: HiggsDDP, rank: int, hub: Hub) -> None:
         shared = ddp._higgs
         selector = None if shared.selector is None else make_selector(shared.config.compressor, seed=rank)
-        # settled_by_optimizer=False: the optimizer settles the model's bucket groups, not these
-        # twins; each twin's sync settles the step before it as kept (a run here drops none)
+        # ledger=None: the optimizer counts its steps for the model's bucket groups, not for
+        # these twins; each twin's sync keeps the step before it (a run here drops none)
         self.shared = dataclasses.replace(shared, selector=selector, stats=SyncStats(), trace=None,
                                           compress_timer=DeviceTimer(), waits=StepWaits(),
-                                          comm=VirtualCollectives(hub, rank), settled_by_optimizer=False)
+                                          comm=VirtualCollectives(hub, rank), ledger=None)
         self.groups = [self._twin(group, rank) for group in ddp.bucket_groups]
 
     def _twin(self, group: HiggsBucketGroup, rank: int) -> HiggsBucketGroup:

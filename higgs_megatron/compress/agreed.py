@@ -259,7 +259,8 @@ def _from_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 class ScoreBuffer:
     """The agreed block scores in force (``committed``) and those the step in flight is
-    gathering (``staged``), which take over when the next step begins, unless it is rolled back."""
+    gathering (``staged``), which take over when the next step begins if the optimizer took
+    this one (``settle``)."""
 
     def __init__(self, n_blocks: int, device: torch.device) -> None:
         self.committed = torch.zeros(n_blocks, dtype=torch.float32, device=device)
@@ -272,10 +273,18 @@ class ScoreBuffer:
     def rollback(self) -> None:
         self.staged = None
 
+    def settle(self, kept: bool) -> None:
+        """End the last step: its scores take over (``kept``: the optimizer took it) or are dropped."""
+        self.commit() if kept else self.rollback()
+
+    def settled(self, kept: bool) -> torch.Tensor:
+        """The scores in force once the last step is settled (what a resumed run must start from)."""
+        return self.staged if self.staged is not None and kept else self.committed
+
     @property
     def current(self) -> torch.Tensor:
-        """What a resumed run must start from."""
-        return self.committed if self.staged is None else self.staged
+        """What a resumed run must start from, the last step taken."""
+        return self.settled(True)
 
     def load(self, value: torch.Tensor) -> None:
         self.committed = value.reshape(-1).to(torch.float32).clone()

@@ -34,9 +34,10 @@ the payload's shape never depends on the data.
 
 The new residual is *staged*, not committed: if every rank then agrees to skip the step
 (non-finite gradients somewhere, or an abandoned sync), ``rollback()`` drops it and the
-residual is as it was before the step. It commits when the step is taken, or when the next
-sync begins (``ddp.HiggsBucketGroup._settle`` says which); ``current`` is what a checkpoint
-must save. The price is a second buffer the size of the bucket.
+residual is as it was before the step. The next sync settles it as it adds the residual in
+(``accumulate(grad, kept)``): committed if the optimizer took the step, else dropped
+(``ddp.HiggsBucketGroup`` says which); ``settled(kept)`` is what a checkpoint must save. The
+price is a second buffer the size of the bucket.
 
 The payload format (``compress.payload``, ``--higgs-payload``) is part of the plan: its
 ``round`` runs inside ``compress``, before the residual is staged, so what a lower-precision
@@ -326,10 +327,13 @@ class ResidualBuffer:
     def rollback(self) -> None:
         self.has_staged = False
 
-    @property
-    def current(self) -> torch.Tensor:
-        """The residual a resumed run must start from: staged if the step went through."""
-        if self.has_staged:
+    def settle(self, kept: bool) -> None:
+        """End the last step: what it staged is the residual (``kept``) or is dropped."""
+        self.commit() if kept else self.rollback()
+
+    def settled(self, kept: bool) -> torch.Tensor:
+        """The residual in force once the last step is settled (what a resumed run must start from)."""
+        if self.has_staged and kept:
             if self.staged_zero:
                 self.staged.zero_()
             return self.staged
@@ -337,15 +341,21 @@ class ResidualBuffer:
             self.committed.zero_()
         return self.committed
 
+    @property
+    def current(self) -> torch.Tensor:
+        """The residual a resumed run must start from, the last step taken: staged if any."""
+        return self.settled(True)
+
     def load(self, value: torch.Tensor) -> None:
         self.committed.copy_(value.reshape(-1))
         self.committed_zero = False
         self.has_staged = False
 
-    def accumulate(self, grad: torch.Tensor) -> None:
-        """``grad += residual`` in place (grad becomes acc): the committed residual (the bucket
-        group settles the last step first, ``ddp.HiggsBucketGroup._settle``). ``grad`` may be
+    def accumulate(self, grad: torch.Tensor, kept: bool = True) -> None:
+        """``grad += residual`` in place (grad becomes acc), after settling the last step:
+        ``kept`` says whether the optimizer took it (``ddp.HiggsBucketGroup``). ``grad`` may be
         shorter than the buffer when the buffer's tail is padding (always 0)."""
+        self.settle(kept)
         if not self.committed_zero:
             grad.add_(self.committed.narrow(0, 0, grad.numel()))
 
@@ -431,11 +441,11 @@ def compress(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Sele
 
 def compress_with_feedback(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,
                            residual: ResidualBuffer | None, key: object = None,
-                           payload: Payload | None = None) -> SparseGrad:
-    """``acc`` (the gradient, in place) += residual; compress (in the plan's format, or
-    ``payload``); stage the new residual."""
+                           payload: Payload | None = None, kept: bool = True) -> SparseGrad:
+    """``acc`` (the gradient, in place) += residual, the last step settled (``kept``); compress
+    (in the plan's format, or ``payload``); stage the new residual."""
     if residual is not None:
-        residual.accumulate(acc)
+        residual.accumulate(acc, kept)
     sparse = compress(acc, plan, density, selector, key=key, payload=payload)
     if residual is not None:
         residual.stage(acc, sparse)
@@ -443,10 +453,11 @@ def compress_with_feedback(acc: torch.Tensor, plan: BucketPlan, density: float, 
 
 
 def pack_with_feedback(acc: torch.Tensor, plan: BucketPlan, density: float, selector: Selector,
-                       residual: ResidualBuffer | None, key: object = None, payload: Payload | None = None) -> Packed:
+                       residual: ResidualBuffer | None, key: object = None, payload: Payload | None = None,
+                       kept: bool = True) -> Packed:
     """``compress_with_feedback``, packed in the plan's format (or ``payload``): what one rank
     hands the all-gather, made in one pass through this module."""
     payload = payload or plan.payload
-    sparse = compress_with_feedback(acc, plan, density, selector, residual, key=key, payload=payload)
+    sparse = compress_with_feedback(acc, plan, density, selector, residual, key=key, payload=payload, kept=kept)
     layout = plan.layout(density)
     return Packed(payload.pack(sparse, layout), payload, layout)

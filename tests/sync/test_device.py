@@ -98,7 +98,8 @@ def _chunk_with_flag(flag: torch.Tensor):
 
     chunk = object.__new__(HiggsDDP)
     grad = torch.zeros(8, device=flag.device)
-    chunk.__dict__.update(_higgs=SimpleNamespace(check_nonfinite=False, waits=StepWaits()), higgs_config=HiggsConfig(),
+    chunk.__dict__.update(_higgs=SimpleNamespace(check_nonfinite=False, waits=StepWaits(), ledger=None),
+                          higgs_config=HiggsConfig(),
                           bucket_groups=[SimpleNamespace(higgs_nonfinite=flag,
                                                          buckets=[SimpleNamespace(grad_data=grad)])])
     return chunk

@@ -129,8 +129,8 @@ def owner_sum_invariants(argv: list[str]) -> dict:
     accumulated: dict[int, torch.Tensor] = {}
     original = ResidualBuffer.accumulate
 
-    def recording(self, grad):
-        original(self, grad)
+    def recording(self, grad, kept=True):
+        original(self, grad, kept)
         accumulated[id(self)] = grad.clone()
 
     gaps, compressed_steps = [], 0
