@@ -291,6 +291,11 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         ledger = self.higgs.ledger
         return not self.higgs_synced or ledger is None or ledger.taken > self.higgs_synced_at
 
+    def next_step(self) -> int:
+        """The step the next sync runs (what the density schedule is read at): the steps
+        counted, and the last sync's if the optimizer took it."""
+        return self.higgs_steps + int(self.higgs_synced and self._last_step_kept())
+
     def _rollback(self) -> None:
         """Drop what the last sync staged (every rank skipped its step)."""
         for buffer in (*self.higgs_residuals, *self.higgs_scores):
@@ -359,7 +364,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                              check_for_large=self.ddp_config.check_for_large_grads)
         shared = self.higgs
         kept = self._last_step_kept()  # the buffers settle as the paths add their residuals in
-        self.higgs_steps += int(self.higgs_synced and kept)  # a step counts once, however often its iteration synced
+        self.higgs_steps = self.next_step()  # a step counts once, however often its iteration synced
         self.higgs_synced = False
         if shared.trace is not None:
             shared.trace.append(("start", self.higgs_index))
@@ -593,8 +598,7 @@ class HiggsDDP(DistributedDataParallel):
                  for g in self.bucket_groups for i, residual in enumerate(g.higgs_residuals) if residual is not None}
         state.update({f"group{g.higgs_index}.bucket{i}.scores": scores.settled(kept[g.higgs_index]).clone()
                       for g in self.bucket_groups for i, scores in enumerate(g.higgs_scores) if scores is not None})
-        state["steps"] = torch.tensor([g.higgs_steps + int(g.higgs_synced and kept[g.higgs_index])
-                                       for g in self.bucket_groups], dtype=torch.long)
+        state["steps"] = torch.tensor([g.next_step() for g in self.bucket_groups], dtype=torch.long)
         return state
 
     def load_residual_state(self, state: dict[str, torch.Tensor]) -> None:

@@ -13,7 +13,8 @@ def _priced(ddp) -> float:
     """The wire bytes the paths of ``ddp``'s next step price, over every bucket."""
     shared, total = ddp._higgs, 0.0
     for group in ddp.bucket_groups:
-        density, dense = shared.schedule.density(group.higgs_steps), shared.schedule.dense_stage(group.higgs_steps)
+        step = group.next_step()
+        density, dense = shared.schedule.density(step), shared.schedule.dense_stage(step)
         for paths in group.higgs_buckets:
             path, step_density = paths.step_path(density, dense, False, shared.costs)
             total += path.wire_bytes(step_density)
