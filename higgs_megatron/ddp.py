@@ -244,16 +244,14 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     higgs_plans: list[BucketPlan | None]
     higgs_residuals: list[ResidualBuffer | None]
     higgs_steps: int  # the steps settled as kept: what the density schedule counts
-    higgs_synced: bool  # a sync ran whose step is not settled yet
-    higgs_synced_at: int  # the ledger's count when it ran
+    higgs_pending: int | None  # a sync ran whose step is not settled yet: the ledger's count then (0 without one)
     higgs_nonfinite: torch.Tensor | None
 
     def _higgs_attach(self, shared: _Shared, index: int) -> None:
         self.higgs = shared
         self.higgs_index = index
         self.higgs_steps = 0
-        self.higgs_synced = False
-        self.higgs_synced_at = 0
+        self.higgs_pending = None
         self.higgs_nonfinite: torch.Tensor | None = None
         nodes = shared.nodes
         shape = None if nodes is None else NodeShape(nodes.nodes, nodes.ranks_per_node, nodes.local_index,
@@ -289,20 +287,20 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         syncing again (Megatron-LM's rerun state machine) or the update was skipped, and this
         sync starts from the state before. Without a ledger, each sync follows a kept step."""
         ledger = self.higgs.ledger
-        return not self.higgs_synced or ledger is None or ledger.taken > self.higgs_synced_at
+        return self.higgs_pending is None or ledger is None or ledger.taken > self.higgs_pending
 
-    def next_step(self) -> int:
+    def next_step(self, kept: bool | None = None) -> int:
         """The step the next sync runs (what the density schedule is read at): the steps
-        counted, and the last sync's if the optimizer took it."""
-        return self.higgs_steps + int(self.higgs_synced and self._last_step_kept())
+        counted, and the last sync's if the optimizer took it (``kept``, when already known)."""
+        kept = self._last_step_kept() if kept is None else kept
+        return self.higgs_steps + int(self.higgs_pending is not None and kept)
 
     def _rollback(self) -> None:
         """Drop what the last sync staged (every rank skipped its step)."""
         for buffer in (*self.higgs_residuals, *self.higgs_scores):
             if buffer is not None:
                 buffer.rollback()
-        self.higgs_synced = False
-        self.higgs_synced_at = 0
+        self.higgs_pending = None
 
     @property
     def _communication_group(self) -> dist.ProcessGroup:
@@ -364,8 +362,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                              check_for_large=self.ddp_config.check_for_large_grads)
         shared = self.higgs
         kept = self._last_step_kept()  # the buffers settle as the paths add their residuals in
-        self.higgs_steps = self.next_step()  # a step counts once, however often its iteration synced
-        self.higgs_synced = False
+        self.higgs_steps = self.next_step(kept)  # a step counts once, however often its iteration synced
+        self.higgs_pending = None
+        force_all_reduce = bool(force_all_reduce)  # Megatron passes a bool or None (a host value)
         if shared.trace is not None:
             shared.trace.append(("start", self.higgs_index))
         for bucket in self.buckets:
@@ -374,13 +373,13 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         overlap = self.ddp_config.overlap_grad_reduce
         average = self.ddp_config.average_in_collective
         density, dense = shared.schedule.at(self.higgs_steps)
-        dense = dense or bool(force_all_reduce)
+        dense = dense or force_all_reduce
         distributed_optimizer = self.ddp_config.use_distributed_optimizer
         launch = StepLaunch(
             stats=SyncStats(density=density if shared.selector is not None else 1.0),
             # bounded waits need a handle: every collective is launched asynchronously then
             async_op=overlap or shared.waits.timeout is not None,
-            reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, force_all_reduce=bool(force_all_reduce),
+            reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, force_all_reduce=force_all_reduce,
             sums=[] if shared.check_nonfinite else None, comm=shared.comm, group=self._communication_group,
             selector=shared.selector, timer=shared.compress_timer, residuals=self.higgs_residuals,
             scores=self.higgs_scores, kept=kept, group_index=self.higgs_index, megatron=self._megatron_collective,
@@ -400,7 +399,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                 launch.pending.append(pending)
         if launch.sums is not None:
             self.higgs_nonfinite = torch.isfinite(torch.stack(launch.sums)).all().logical_not()
-        self.higgs_synced, self.higgs_synced_at = True, shared.ledger.taken if shared.ledger is not None else 0
+        self.higgs_pending = shared.ledger.taken if shared.ledger is not None else 0
         shared.stats.add(launch.stats)
         handle = _GroupHandle(launch.dense_works, launch.pending, shared.average_over if average else 1,
                               on_done=self._on_sync_done, waits=shared.waits)
@@ -581,24 +580,22 @@ class HiggsDDP(DistributedDataParallel):
         for group in self.bucket_groups:
             group._rollback()
 
-    def _residual_buffers(self) -> dict[str, ResidualBuffer]:
-        return {f"group{g.higgs_index}.bucket{i}": residual
+    def _residual_buffers(self) -> dict[str, tuple[HiggsBucketGroup, ResidualBuffer]]:
+        return {f"group{g.higgs_index}.bucket{i}": (g, residual)
                 for g in self.bucket_groups for i, residual in enumerate(g.higgs_residuals)
                 if residual is not None}
 
-    def _score_buffers(self) -> dict[str, ScoreBuffer]:
-        return {f"group{g.higgs_index}.bucket{i}.scores": scores
+    def _score_buffers(self) -> dict[str, tuple[HiggsBucketGroup, ScoreBuffer]]:
+        return {f"group{g.higgs_index}.bucket{i}.scores": (g, scores)
                 for g in self.bucket_groups for i, scores in enumerate(g.higgs_scores) if scores is not None}
 
     def residual_state(self) -> dict[str, torch.Tensor]:
         """This rank's error-feedback residuals and the agreed block scores in force (what a
-        resumed run must start from)."""
-        kept = {g.higgs_index: g._last_step_kept() for g in self.bucket_groups}  # the last step, taken or not
-        state = {f"group{g.higgs_index}.bucket{i}": residual.settled(kept[g.higgs_index]).clone()
-                 for g in self.bucket_groups for i, residual in enumerate(g.higgs_residuals) if residual is not None}
-        state.update({f"group{g.higgs_index}.bucket{i}.scores": scores.settled(kept[g.higgs_index]).clone()
-                      for g in self.bucket_groups for i, scores in enumerate(g.higgs_scores) if scores is not None})
-        state["steps"] = torch.tensor([g.next_step() for g in self.bucket_groups], dtype=torch.long)
+        resumed run must start from), the last step settled as the optimizer left it."""
+        kept = {id(g): g._last_step_kept() for g in self.bucket_groups}
+        state = {name: buffer.settled(kept[id(group)]).clone()
+                 for name, (group, buffer) in {**self._residual_buffers(), **self._score_buffers()}.items()}
+        state["steps"] = torch.tensor([g.next_step(kept[id(g)]) for g in self.bucket_groups], dtype=torch.long)
         return state
 
     def load_residual_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -606,13 +603,13 @@ class HiggsDDP(DistributedDataParallel):
         missing = sorted(set(buffers) - set(state))
         if missing:
             raise KeyError(f"error-feedback state lacks residual(s) {missing}")
-        for name, residual in buffers.items():
+        for name, (_, residual) in buffers.items():
             if state[name].numel() != residual.committed.numel():
                 raise ValueError(f"error-feedback residual {name}: saved {state[name].numel()} elements, "
                                  f"this model's bucket has {residual.committed.numel()}")
             residual.load(state[name].to(residual.committed.device))
-        for name, scores in self._score_buffers().items():
+        for name, (_, scores) in self._score_buffers().items():
             if name in state and state[name].numel() == scores.committed.numel():
                 scores.load(state[name].to(scores.committed.device))
         for group, steps in zip(self.bucket_groups, state["steps"].tolist()):
-            group.higgs_steps, group.higgs_synced = steps, False
+            group.higgs_steps, group.higgs_pending = steps, None

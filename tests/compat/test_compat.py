@@ -115,16 +115,23 @@ def test_the_graph_replay_wait_follows_the_installed_releases_own_bucket_group()
     assert WAITS_FOR_GRAPH_REPLAYS == (versions.series(versions.MEGATRON_CORE_VERSION) != "0.16")
 
 
-@pytest.mark.parametrize("field", ["reduce_scatter_with_fp32_accumulation",
-                                   "param_name_patterns_for_fp32_local_accumulation"])
+def _ddp_option(field: str):
+    """A DDP option, tested where the installed megatron-core has it (0.16.1 lacks the fp32 local accumulation)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return pytest.param(field, marks=pytest.mark.skipif(
+        not hasattr(DistributedDataParallelConfig(), field),
+        reason=f"megatron-core {versions.MEGATRON_CORE_VERSION} has no DistributedDataParallelConfig.{field}"))
+
+
+@pytest.mark.parametrize("field", [_ddp_option("reduce_scatter_with_fp32_accumulation"),
+                                   _ddp_option("param_name_patterns_for_fp32_local_accumulation")])
 def test_higgs_ddp_refuses_a_ddp_option_that_changes_megatrons_own_reduction(field):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from higgs_megatron.ddp import UNSUPPORTED_DDP_OPTIONS, HiggsConfigurationError, HiggsDDP
 
     ddp_config = DistributedDataParallelConfig()
-    if not hasattr(ddp_config, field):
-        pytest.skip(f"megatron-core {versions.MEGATRON_CORE_VERSION} has no {field}")
     setattr(ddp_config, field, True if field.startswith("reduce") else ["*.weight"])
     with pytest.raises(HiggsConfigurationError, match=rf"DistributedDataParallelConfig.{field} \(Megatron-LM's "
                                                       rf"{UNSUPPORTED_DDP_OPTIONS[field]}\)"):
