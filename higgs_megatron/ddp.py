@@ -48,8 +48,16 @@ optimizer wrapper's decision.
 Invariants kept: without the distributed optimizer every ``main_grad`` holds the DP-reduced
 gradient, identical on all DP ranks; with it at least this rank's shard does (the sparse
 path reduces the whole bucket). Each parameter is selected on its own, which keeps TP-replicated
-params identical across TP ranks (``compress.compressor``). Expert-parallel buckets are refused
-at construction.
+params identical across TP ranks (``compress.compressor``).
+
+Mixture of experts. Megatron keeps the experts' parameters (``allreduce=False``) in buckets of
+their own, ``expert_parallel_bucket_groups``, reduced over the expert-data-parallel group and
+pre-scaled by Megatron (``gradient_scaling_factor``) so that the result is the same average.
+They are compressed too, as a second ``_Domain``: their own group, selector (seeded by the rank
+in that group, apart from the dense one's), node groups, link costs and averaging; their bucket
+groups are numbered after the dense ones, so their residuals have names of their own. The
+routers' expert bias, which Megatron moves after the sync, moves once per step the optimizer
+takes (``expert_bias``). Several optimizer instances with experts are refused.
 
 Several distributed-optimizer instances (``num_distributed_optimizer_instances``, Megatron's
 hierarchical data parallelism) keep Megatron's protocol: the reduce-scatter inside each
@@ -76,6 +84,7 @@ from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, Selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
 from .device import DeviceTimer
+from .expert_bias import KeptExpertBias
 from .grad_paths import DensitySchedule, StepLaunch
 from .reduce.cast_reduce import PendingCastReduce
 from .reduce.link_probe import measure_link_costs
@@ -160,6 +169,9 @@ class SyncStats:
         self.density = other.density
 
 
+_SELECTOR_SEED_STRIDE = 1 << 16  # apart from the dense domain's selector seeds (ranks), the experts'
+
+
 @dataclass
 class StepLedger:
     """The optimizer steps taken (updates applied), counted by the optimizer that wraps the
@@ -170,11 +182,24 @@ class StepLedger:
 
 
 @dataclass
+class _Domain:
+    """What differs between a chunk's two reductions: its dense parameters' over the
+    data-parallel group, and its experts' (``allreduce=False``, in Megatron's
+    ``expert_parallel_bucket_groups``) over the expert-data-parallel group. Each has its own
+    selector (seeded apart), node groups, link costs and averaging."""
+
+    selector: Selector | None
+    nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical", or several optimizer instances
+    costs: LinkCosts | None = None  # with sync="auto"
+    average_over: int = 1  # the group's size (x the instances), for average_in_collective on the summing paths
+    sync_report: list[dict] = field(default_factory=list)  # with sync="auto": each bucket's choice
+
+
+@dataclass
 class _Shared:
-    """State shared by all bucket groups of one HiggsDDP."""
+    """State shared by all bucket groups of one HiggsDDP, of both domains."""
 
     config: HiggsConfig
-    selector: Selector | None
     schedule: DensitySchedule  # the config's: the density of each step
     stats: SyncStats = field(default_factory=SyncStats)
     trace: list[tuple[str, int]] | None = None
@@ -182,10 +207,7 @@ class _Shared:
     ledger: StepLedger | None = None  # with HiggsOptimizer: the steps it took (``HiggsDDP.step_ledger``)
     compress_timer: DeviceTimer = field(default_factory=DeviceTimer)
     waits: StepWaits = field(default_factory=StepWaits)  # how the step's collectives are waited for (bounded or not)
-    nodes: NodeGroups | None = None  # with sync="auto" or "hierarchical", or several optimizer instances
-    costs: LinkCosts | None = None  # with sync="auto"
     instances: int = 1  # Megatron's num_distributed_optimizer_instances
-    average_over: int = 1  # the DP size, for average_in_collective on the summing paths
     comm: Collectives = field(default_factory=Collectives)  # every collective of the sync, counted
 
     def take_stats(self) -> "SyncStats":
@@ -240,6 +262,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     """A Megatron bucket group whose grad sync goes through the compressed path."""
 
     higgs: _Shared
+    higgs_domain: _Domain
     higgs_index: int
     higgs_plans: list[BucketPlan | None]
     higgs_residuals: list[ResidualBuffer | None]
@@ -247,13 +270,14 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     higgs_pending: int | None  # a sync ran whose step is not settled yet: the ledger's count then (0 without one)
     higgs_nonfinite: torch.Tensor | None
 
-    def _higgs_attach(self, shared: _Shared, index: int) -> None:
+    def _higgs_attach(self, shared: _Shared, domain: _Domain, index: int) -> None:
         self.higgs = shared
+        self.higgs_domain = domain
         self.higgs_index = index
         self.higgs_steps = 0
         self.higgs_pending = None
         self.higgs_nonfinite: torch.Tensor | None = None
-        nodes = shared.nodes
+        nodes = domain.nodes
         shape = None if nodes is None else NodeShape(nodes.nodes, nodes.ranks_per_node, nodes.local_index,
                                                      instances=nodes.instances)
         self.higgs_buckets = [
@@ -360,7 +384,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
             self.check_grads(check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
                              check_for_large=self.ddp_config.check_for_large_grads)
-        shared = self.higgs
+        shared, domain = self.higgs, self.higgs_domain
         kept = self._last_step_kept()  # the buffers settle as the paths add their residuals in
         self.higgs_steps = self.next_step(kept)  # a step counts once, however often its iteration synced
         self.higgs_pending = None
@@ -376,19 +400,19 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         dense = dense or force_all_reduce
         distributed_optimizer = self.ddp_config.use_distributed_optimizer
         launch = StepLaunch(
-            stats=SyncStats(density=density if shared.selector is not None else 1.0),
+            stats=SyncStats(density=density if domain.selector is not None else 1.0),
             # bounded waits need a handle: every collective is launched asynchronously then
             async_op=overlap or shared.waits.timeout is not None,
             reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, force_all_reduce=force_all_reduce,
             sums=[] if shared.check_nonfinite else None, comm=shared.comm, group=self._communication_group,
-            selector=shared.selector, timer=shared.compress_timer, residuals=self.higgs_residuals,
+            selector=domain.selector, timer=shared.compress_timer, residuals=self.higgs_residuals,
             scores=self.higgs_scores, kept=kept, group_index=self.higgs_index, megatron=self._megatron_collective,
-            nodes=shared.nodes, waits=shared.waits,
+            nodes=domain.nodes, waits=shared.waits,
             shard=self.intra_distributed_optimizer_instance_rank if distributed_optimizer else None)
         launch.stats.dense_bytes, launch.stats.dense_wire_bytes = self.higgs_dense_traffic
         for idx, bucket in enumerate(self.buckets):
             path, step_density = self.higgs_buckets[idx].step_path(density, dense, launch.force_all_reduce,
-                                                                    shared.costs)
+                                                                    domain.costs)
             try:
                 pending = path.launch(launch, idx, bucket.grad_data, step_density)
             except RuntimeError:
@@ -401,7 +425,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             self.higgs_nonfinite = torch.isfinite(torch.stack(launch.sums)).all().logical_not()
         self.higgs_pending = shared.ledger.taken if shared.ledger is not None else 0
         shared.stats.add(launch.stats)
-        handle = _GroupHandle(launch.dense_works, launch.pending, shared.average_over if average else 1,
+        handle = _GroupHandle(launch.dense_works, launch.pending, domain.average_over if average else 1,
                               on_done=self._on_sync_done, waits=shared.waits)
         if overlap:
             self.grad_reduce_handle = handle
@@ -446,7 +470,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
 
 
 class HiggsDDP(DistributedDataParallel):
-    """Megatron DDP whose data-parallel gradient reduction is top-k with error feedback."""
+    """Megatron DDP whose data-parallel gradient reduction (the experts' included) is top-k with
+    error feedback."""
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, higgs_config: HiggsConfig | None = None,
                  **kwargs) -> None:
@@ -457,54 +482,91 @@ class HiggsDDP(DistributedDataParallel):
                 raise HiggsConfigurationError(f"HiggsDDP does not support DistributedDataParallelConfig.{name} "
                                               f"(Megatron-LM's {flag}): its reduction is Megatron's own")
         super().__init__(config, ddp_config, module, **kwargs)
-        if self.expert_parallel_bucket_groups:
-            raise HiggsConfigurationError(
-                "HiggsDDP does not compress expert-parallel gradients yet: the model has "
-                f"{len(self.expert_parallel_bucket_groups)} expert-parallel bucket group(s) (num_moe_experts set); "
-                "train MoE models with Megatron's DistributedDataParallel")
-        self.higgs_config = higgs_config or HiggsConfig()
-        dp_group = (self.bucket_groups[0].intra_distributed_optimizer_instance_group
-                    if ddp_config.use_distributed_optimizer else self.bucket_groups[0].data_parallel_group)
-        # Seeded by the DP rank: the TP ranks of one DP replica sample alike, so a TP-replicated
-        # parameter (same gradient on each) is selected alike even where sampling falls short.
-        selector = None if self.higgs_config.compressor == "none" else make_selector(
-            self.higgs_config.compressor, seed=dist.get_rank(dp_group))
         instances = ddp_config.num_distributed_optimizer_instances
-        self._higgs = _Shared(config=self.higgs_config, selector=selector,
-                              schedule=DensitySchedule.of(self.higgs_config), instances=instances,
-                              average_over=dist.get_world_size(dp_group) * instances)
-        if instances > 1 and self.higgs_config.compressor != "none":
-            # Megatron's parallel state made the two levels: dense inside an instance, compressed across.
-            self._higgs.nodes = instance_groups(dp_group, self.bucket_groups[0].inter_distributed_optimizer_instance_group)
-            dp_group = self.dp_cp_group  # the cost measurement below is agreed over the whole DP group
-        elif self.higgs_config.sync in ("auto", "hierarchical") and self.higgs_config.compressor != "none":
-            # Collective over the whole world: every rank builds its HiggsDDP chunks together.
-            self._higgs.nodes = build_node_groups(dp_group)
-        for index, group in enumerate(self.bucket_groups):
-            group.__class__ = HiggsBucketGroup
-            group._higgs_attach(self._higgs, index)
-        self.higgs_sync_report: list[dict] = []
-        if self.higgs_config.sync == "auto" and self.higgs_config.compressor != "none":
-            self._higgs_plan_auto(dp_group, ddp_config.use_distributed_optimizer)
-        for group in self.bucket_groups:
-            group._higgs_make_residuals()
+        if self.expert_parallel_bucket_groups and instances > 1:
+            raise HiggsConfigurationError(
+                "HiggsDDP does not compress expert gradients across several distributed-optimizer instances "
+                f"(num_distributed_optimizer_instances={instances} with num_moe_experts set)")
+        self.higgs_config = higgs_config or HiggsConfig()
+        self._higgs = _Shared(config=self.higgs_config, schedule=DensitySchedule.of(self.higgs_config),
+                              instances=instances)
+        self._higgs_domains: list[_Domain] = []
+        index = 0
+        for offset, groups in enumerate((self.bucket_groups, self.expert_parallel_bucket_groups)):
+            if not groups:
+                continue
+            domain, dp_group = self._higgs_domain(groups, seed_offset=offset * _SELECTOR_SEED_STRIDE)
+            self._higgs_domains.append(domain)
+            for group in groups:
+                group.__class__ = HiggsBucketGroup
+                group._higgs_attach(self._higgs, domain, index)
+                index += 1
+            if self.higgs_config.sync == "auto" and self.higgs_config.compressor != "none":
+                self._higgs_plan_auto(domain, groups, dp_group, ddp_config.use_distributed_optimizer)
+            for group in groups:
+                group._higgs_make_residuals()
+        self._higgs_bias = KeptExpertBias(self.module) if config.moe_router_enable_expert_bias else None
 
-    def _higgs_plan_auto(self, dp_group: dist.ProcessGroup, distributed_optimizer: bool) -> None:
-        """Measure the links (collective over the DP group), then keep each bucket's cheaper form."""
-        plans = [plan for group in self.bucket_groups for plan in group.higgs_plans if plan is not None]
+    def forward(self, *inputs, **kwargs):
+        if self._higgs_bias is not None and self._higgs.ledger is not None:
+            self._higgs_bias.settle(self._higgs.ledger.taken)
+        return super().forward(*inputs, **kwargs)
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        super().finish_grad_sync(force_all_reduce)
+        if self._higgs_bias is not None and self._higgs.ledger is not None:
+            self._higgs_bias.stage(self._higgs.ledger.taken)
+
+    @property
+    def higgs_bucket_groups(self) -> list[HiggsBucketGroup]:
+        """Every bucket group of this chunk: the dense parameters', then the experts'."""
+        return self.bucket_groups + self.expert_parallel_bucket_groups
+
+    @property
+    def higgs_sync_report(self) -> list[dict]:
+        """Under sync="auto", each bucket's choice (dense groups first, then the experts')."""
+        return [entry for domain in self._higgs_domains for entry in domain.sync_report]
+
+    def _higgs_domain(self, groups: list[_ParamAndGradBucketGroup], seed_offset: int
+                      ) -> tuple[_Domain, dist.ProcessGroup]:
+        """The reduction domain of ``groups`` (all over one group: the data-parallel one, or the
+        expert-data-parallel one), and the group its link costs are agreed over."""
+        config, instances = self.higgs_config, self._higgs.instances
+        dp_group = (groups[0].intra_distributed_optimizer_instance_group
+                    if self.ddp_config.use_distributed_optimizer else groups[0].data_parallel_group)
+        # Seeded by the rank in that group: the TP ranks of one replica sample alike, so a
+        # TP-replicated parameter (same gradient on each) is selected alike even where sampling
+        # falls short; the expert domain's selectors draw apart from the dense one's.
+        selector = None if config.compressor == "none" else make_selector(
+            config.compressor, seed=seed_offset + dist.get_rank(dp_group))
+        domain = _Domain(selector=selector, average_over=dist.get_world_size(dp_group) * instances)
+        if instances > 1 and config.compressor != "none":
+            # Megatron's parallel state made the two levels: dense inside an instance, compressed across.
+            domain.nodes = instance_groups(dp_group, groups[0].inter_distributed_optimizer_instance_group)
+            dp_group = self.dp_cp_group  # the cost measurement is agreed over the whole DP group
+        elif config.sync in ("auto", "hierarchical") and config.compressor != "none":
+            # Collective over the whole world: every rank builds its HiggsDDP chunks together.
+            domain.nodes = build_node_groups(dp_group)
+        return domain, dp_group
+
+    def _higgs_plan_auto(self, domain: _Domain, groups: list[HiggsBucketGroup], dp_group: dist.ProcessGroup,
+                         distributed_optimizer: bool) -> None:
+        """Measure the links (collective over ``dp_group``), then keep each bucket's cheaper form."""
+        plans = [plan for group in groups for plan in group.higgs_plans if plan is not None]
         config = self.higgs_config
-        self._higgs.costs = measure_link_costs(
-            dp_group, self._higgs.nodes, distributed_optimizer, max(plans, key=lambda plan: plan.numel, default=None),
+        domain.costs = measure_link_costs(
+            dp_group, domain.nodes, distributed_optimizer, max(plans, key=lambda plan: plan.numel, default=None),
             config.compression_ratio, config.compressor, config.error_feedback,
-            self.bucket_groups[0].buckets[0].grad_data.device, assume_gbps=config.link_gbps,
+            groups[0].buckets[0].grad_data.device, assume_gbps=config.link_gbps,
             assume_node_gbps=config.node_link_gbps)
-        self.higgs_sync_report = [choose_form(paths, self._higgs.costs, config.compression_ratio)
-                                  for group in self.bucket_groups for paths in group.higgs_buckets]
+        domain.sync_report = [choose_form(paths, domain.costs, config.compression_ratio)
+                              for group in groups for paths in group.higgs_buckets]
 
     @property
     def link_costs(self) -> LinkCosts | None:
-        """The agreed costs behind 'auto' (None under the other sync modes)."""
-        return self._higgs.costs
+        """The agreed costs behind 'auto' over the data-parallel group (None under the other sync
+        modes); the experts' domain agrees its own."""
+        return self._higgs_domains[0].costs
 
     # --- what the loop, the optimizer wrapper and the tests ask of it -----------------
 
@@ -540,12 +602,12 @@ class HiggsDDP(DistributedDataParallel):
 
     def process_groups(self) -> list[dist.ProcessGroup]:
         """Every process group this chunk's gradient sync waits on (what a rebuild replaces)."""
-        groups = [group for bucket_group in self.bucket_groups
+        groups = [group for bucket_group in self.higgs_bucket_groups
                   for group in (getattr(bucket_group, "data_parallel_group", None),
                                 getattr(bucket_group, "intra_distributed_optimizer_instance_group", None),
                                 getattr(bucket_group, "inter_distributed_optimizer_instance_group", None))]
-        if self._higgs.nodes is not None:
-            groups += [self._higgs.nodes.intra, self._higgs.nodes.inter]
+        groups += [group for domain in self._higgs_domains if domain.nodes is not None
+                   for group in (domain.nodes.intra, domain.nodes.inter)]
         unique: dict[int, dist.ProcessGroup] = {}
         for group in groups:
             if group is not None:
@@ -554,7 +616,8 @@ class HiggsDDP(DistributedDataParallel):
 
     def group_holders(self) -> list[Any]:
         """The objects of this chunk that hold its process groups as attributes."""
-        return [self, *self.buffers, *self.bucket_groups] + ([self._higgs.nodes] if self._higgs.nodes else [])
+        return [self, *self.buffers, *self.expert_parallel_buffers, *self.higgs_bucket_groups,
+                *(domain.nodes for domain in self._higgs_domains if domain.nodes is not None)]
 
     def track_nonfinite(self, enabled: bool = True) -> None:
         self._higgs.check_nonfinite = enabled
@@ -562,7 +625,7 @@ class HiggsDDP(DistributedDataParallel):
     def nonfinite_flag(self) -> torch.Tensor:
         """A device bool: whether this rank's local gradients held a NaN/inf in the last sync.
         Not read here: the caller folds it into its one decision per step."""
-        flags = [g.higgs_nonfinite for g in self.bucket_groups if g.higgs_nonfinite is not None]
+        flags = [g.higgs_nonfinite for g in self.higgs_bucket_groups if g.higgs_nonfinite is not None]
         if not flags:
             return torch.zeros((), dtype=torch.bool, device=self.bucket_groups[0].buckets[0].grad_data.device)
         return torch.stack(flags).any()
@@ -577,25 +640,25 @@ class HiggsDDP(DistributedDataParallel):
 
     def rollback_residuals(self) -> None:
         """Forget the residuals staged by the last sync (the step was skipped everywhere)."""
-        for group in self.bucket_groups:
+        for group in self.higgs_bucket_groups:
             group._rollback()
 
     def _residual_buffers(self) -> dict[str, tuple[HiggsBucketGroup, ResidualBuffer]]:
         return {f"group{g.higgs_index}.bucket{i}": (g, residual)
-                for g in self.bucket_groups for i, residual in enumerate(g.higgs_residuals)
+                for g in self.higgs_bucket_groups for i, residual in enumerate(g.higgs_residuals)
                 if residual is not None}
 
     def _score_buffers(self) -> dict[str, tuple[HiggsBucketGroup, ScoreBuffer]]:
         return {f"group{g.higgs_index}.bucket{i}.scores": (g, scores)
-                for g in self.bucket_groups for i, scores in enumerate(g.higgs_scores) if scores is not None}
+                for g in self.higgs_bucket_groups for i, scores in enumerate(g.higgs_scores) if scores is not None}
 
     def residual_state(self) -> dict[str, torch.Tensor]:
         """This rank's error-feedback residuals and the agreed block scores in force (what a
         resumed run must start from), the last step settled as the optimizer left it."""
-        kept = {id(g): g._last_step_kept() for g in self.bucket_groups}
+        kept = {id(g): g._last_step_kept() for g in self.higgs_bucket_groups}
         state = {name: buffer.settled(kept[id(group)]).clone()
                  for name, (group, buffer) in {**self._residual_buffers(), **self._score_buffers()}.items()}
-        state["steps"] = torch.tensor([g.next_step(kept[id(g)]) for g in self.bucket_groups], dtype=torch.long)
+        state["steps"] = torch.tensor([g.next_step(kept[id(g)]) for g in self.higgs_bucket_groups], dtype=torch.long)
         return state
 
     def load_residual_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -611,5 +674,5 @@ class HiggsDDP(DistributedDataParallel):
         for name, (_, scores) in self._score_buffers().items():
             if name in state and state[name].numel() == scores.committed.numel():
                 scores.load(state[name].to(scores.committed.device))
-        for group, steps in zip(self.bucket_groups, state["steps"].tolist()):
+        for group, steps in zip(self.higgs_bucket_groups, state["steps"].tolist()):
             group.higgs_steps, group.higgs_pending = steps, None

@@ -1,7 +1,7 @@
 """The flag tables of the README and the docs, generated from the pretrain script's parser: the config dataclasses'
 flags (``HiggsConfig``, ``CheckpointConfig``, ``StabilityConfig``, ``OffloadConfig``) with
 their help and defaults, and the few Megatron-LM flags each table sits beside; the script's
-own groups of Megatron-LM flags (model, parallelism, training, data, logging); and the table
+own groups of Megatron-LM flags (model, parallelism, experts, training, data, logging); and the table
 of what a flag needs of another (``runtime.run_config.RULES``, ``<!-- flags:rules -->``).
 
     python scripts/flag_tables.py           # rewrite the tables between the pages' markers
@@ -34,7 +34,7 @@ from higgs_megatron.training.arguments import build_parser  # noqa: E402
 
 FILES = tuple(REPO / page for page in ("README.md", "docs/compression.md", "docs/pretrain_script.md",
                                        "docs/checkpoints.md"))  # the pages with marked tables
-GROUPS = ("model", "parallelism", "training", "data", "logging")  # the pretrain script's own argument groups
+GROUPS = ("model", "parallelism", "experts", "training", "data", "logging")  # the pretrain script's own argument groups
 
 
 def _flags(config_class: type) -> list[str]:

@@ -205,13 +205,13 @@ class VirtualRank:
     only on the bucket, the config and P)."""
 
     def __init__(self, ddp: HiggsDDP, rank: int, hub: Hub) -> None:
-        shared = ddp._higgs
-        selector = None if shared.selector is None else make_selector(shared.config.compressor, seed=rank)
+        shared, domain = ddp._higgs, ddp.bucket_groups[0].higgs_domain
+        selector = None if domain.selector is None else make_selector(shared.config.compressor, seed=rank)
         # ledger=None: the optimizer counts its steps for the model's bucket groups, not for
         # these twins; each twin's sync keeps the step before it (a run here drops none)
-        self.shared = dataclasses.replace(shared, selector=selector, stats=SyncStats(), trace=None,
-                                          compress_timer=DeviceTimer(), waits=StepWaits(),
-                                          comm=VirtualCollectives(hub, rank), ledger=None)
+        self.shared = dataclasses.replace(shared, stats=SyncStats(), trace=None, compress_timer=DeviceTimer(),
+                                          waits=StepWaits(), comm=VirtualCollectives(hub, rank), ledger=None)
+        self.domain = dataclasses.replace(domain, selector=selector)
         self.groups = [self._twin(group, rank) for group in ddp.bucket_groups]
 
     def _twin(self, group: HiggsBucketGroup, rank: int) -> HiggsBucketGroup:
@@ -219,7 +219,7 @@ class VirtualRank:
         twin.buckets = [copy.copy(bucket) for bucket in group.buckets]
         for bucket in twin.buckets:
             bucket.grad_data = torch.zeros_like(bucket.grad_data)
-        twin.higgs = self.shared
+        twin.higgs, twin.higgs_domain = self.shared, self.domain
         twin.intra_distributed_optimizer_instance_rank = rank
         twin.cached_grad_buffer_shard_list = [None] * len(twin.buckets)
         twin.grad_reduce_handle = None
@@ -338,6 +338,8 @@ def check_supported(args: argparse.Namespace) -> None:
         raise UsageError("virtual_dp: data parallelism only (--tensor/--pipeline-model-parallel-size 1)")
     if args.save or args.load:
         raise UsageError("virtual_dp: --save and --load are not covered")
+    if args.num_experts is not None:
+        raise UsageError("virtual_dp: --num-experts is not covered (the expert-data-parallel group is another group)")
 
 
 def run_virtual(world_size: int, argv: list[str]) -> dict:

@@ -123,17 +123,28 @@ def tolerate_torch_adam_step():
         yield
 
 
-def spread_model_writes(model_sd: dict, dp_rank: int, dp_size: int) -> None:
+def spread_model_writes(model_sd: dict, module: torch.nn.Module) -> None:
     """Model weights are replicated across DP, and megatron-core makes DP rank 0 the writer of
     all of them, so it writes far more than the others (and, saving in the background, slows
     the loop for longest). Give each weight to one DP rank instead, balancing bytes greedily,
     largest first: the same assignment on every DP rank, which holds the same keys and shapes.
-    Only weights whose writer is DP rank 0 move; replica ids keep their other components."""
+    The experts' weights (``allreduce=False``) are replicated across the expert-data-parallel
+    group instead, whose rank their replica ids carry: they are spread over that group. Only
+    weights whose writer is DP rank 0 move; replica ids keep their other components."""
+    expert_storage = {p.data_ptr() for p in module.parameters() if not getattr(p, "allreduce", True)}
     candidates = [v for v in nested_values(model_sd) if isinstance(v, ShardedTensor)
                   and isinstance(v.replica_id, tuple) and all(r == 0 for r in v.replica_id[:-1])]
+    _spread([t for t in candidates if t.data.data_ptr() not in expert_storage],
+            parallel_state.get_data_parallel_rank(with_context_parallel=True),
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    _spread([t for t in candidates if t.data.data_ptr() in expert_storage],
+            parallel_state.get_expert_data_parallel_rank(), parallel_state.get_expert_data_parallel_world_size())
+
+
+def _spread(tensors: list[ShardedTensor], dp_rank: int, dp_size: int) -> None:
+    """Each of ``tensors`` (replicated over a group of ``dp_size``) to one rank of the group."""
     load = [0] * dp_size
-    for tensor in sorted(candidates, key=lambda t: (-t.data.numel() * t.data.element_size(), t.key,
-                                                     t.global_offset)):
+    for tensor in sorted(tensors, key=lambda t: (-t.data.numel() * t.data.element_size(), t.key, t.global_offset)):
         writer = min(range(dp_size), key=lambda r: (load[r], r))
         load[writer] += tensor.data.numel() * tensor.data.element_size()
         tensor.replica_id = (*tensor.replica_id[:-1], (dp_rank - writer) % dp_size)
@@ -155,8 +166,7 @@ def sharded_training_state(training: TrainingState, is_loading: bool = False, pe
     chunk = training.model[0].module
     model_sd = chunk.sharded_state_dict()
     if not is_loading:
-        spread_model_writes(model_sd, parallel_state.get_data_parallel_rank(with_context_parallel=True),
-                            parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+        spread_model_writes(model_sd, chunk)
     inner = getattr(training.optimizer, "inner", training.optimizer)  # Megatron's, without HiggsOptimizer
     with owner_written_optimizer_state():
         optimizer_sd = inner.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING)

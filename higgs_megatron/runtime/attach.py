@@ -72,7 +72,8 @@ class Runtime:
     def _skipped(self, verdict: Any) -> None:
         if not verdict.sync_failed:  # a dropped sync is a progress alignment: ``Resilience.realigned`` says it
             self.events.event("step_skipped", f" iteration {self.iteration}: {verdict.cause}; step skipped on every "
-                              "rank, error-feedback residuals kept", iteration=self.iteration, cause=verdict.cause)
+                              "rank (error feedback and routing biases go on from the last step taken)",
+                              iteration=self.iteration, cause=verdict.cause)
 
     def _memory(self) -> MemoryManager | None:
         memory = self.config.memory

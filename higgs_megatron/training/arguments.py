@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the vocabulary is padded to a multiple of this x TP, as Megatron-LM pads it")
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout after attention and MLP")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="dropout of the attention probabilities")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no bias in the linear layers")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate output layer instead of the input embedding's transpose")
     g.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
@@ -76,6 +77,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elements per gradient bucket (Megatron's default: max(40M, 1M x DP))")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="with --bf16: gradients accumulated and reduced in fp32")
+
+    g = parser.add_argument_group("experts")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts in each layer's MLP (default: no MoE, a dense MLP)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="EP",
+                   help="EP: the experts split over this many ranks; expert DP = world / (ETP x EP x PP)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, metavar="ETP",
+                   help="each expert's tensor parallelism (default: --tensor-model-parallel-size)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="an expert's MLP width (default: --ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
+    g.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none"),
+                   default="aux_loss", help="the router's load balancing")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="the load-balancing loss's weight")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax",
+                   help="the router's scores")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="a per-expert routing bias, moved towards balance once per step (aux-loss-free balancing)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="how far the expert bias moves per step")
+    g.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather",
+                   help="how tokens reach their experts' ranks")
 
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4, help="samples per rank per forward-backward")
@@ -152,9 +174,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "global_batch_size", "train_iters", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "log_interval", "eval_interval", "ddp_bucket_size",
               "make_vocab_size_divisible_by", "ffn_hidden_size", "num_threads", "num_distributed_optimizer_instances",
+              "num_experts", "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_ffn_hidden_size",
+              "moe_router_topk",
               "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last", "higgs_step_timeout")
     # The compressed sync's schedule is derived from the LR schedule's: after it.
-    for check in (_check_optimizer, _check_recompute, _check_layout, _check_model, _check_schedule,
+    for check in (_check_optimizer, _check_recompute, _check_layout, _check_experts, _check_model, _check_schedule,
                   _check_run_config, _check_data, _check_runtime):
         check(args, world_size)
     return args
@@ -205,6 +229,41 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
     if args.data_parallel_size % instances != 0:
         raise UsageError(f"--num-distributed-optimizer-instances {instances} does not divide the data-parallel "
                          f"size {args.data_parallel_size}")
+
+
+def _check_experts(args: argparse.Namespace, world_size: int) -> None:
+    """MoE: Megatron's rules for the expert layout, checked before any process group exists."""
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    ep, etp, pp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.pipeline_model_parallel_size
+    if args.num_experts is None:
+        given = [flag for flag, value in (("--expert-model-parallel-size", ep != 1),
+                                          ("--moe-router-enable-expert-bias", args.moe_router_enable_expert_bias),
+                                          ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size is not None)) if value]
+        if given:
+            raise UsageError(f"{', '.join(given)}: only with --num-experts (a mixture-of-experts model)")
+        args.expert_data_parallel_size = args.data_parallel_size
+        return
+    if args.num_experts % ep != 0:
+        raise UsageError(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    if world_size % (etp * ep * pp) != 0:
+        raise UsageError(f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+                         f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}")
+    if args.tensor_model_parallel_size > 1:
+        raise UsageError("--num-experts with --tensor-model-parallel-size > 1: megatron-core's MoE layer trains "
+                         "only with sequence parallelism there, whose layer norm needs Transformer Engine or Apex; "
+                         "this script runs the local layers (--expert-tensor-parallel-size may exceed 1)")
+    if etp > 1 and not args.disable_bias_linear:
+        raise UsageError(f"--expert-tensor-parallel-size {etp} needs --disable-bias-linear (megatron-core supports "
+                         "biases in the experts only with expert TP 1)")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        raise UsageError(f"--moe-router-topk {args.moe_router_topk}: expected 1 to --num-experts {args.num_experts}")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        raise UsageError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (Megatron's rule)")
+    if args.use_higgs and args.num_distributed_optimizer_instances > 1:
+        raise UsageError("--use-higgs with --num-experts and --num-distributed-optimizer-instances > 1: the "
+                         "compressed sync of expert gradients across optimizer instances is not built")
+    args.expert_data_parallel_size = world_size // (etp * ep * pp)
 
 
 def _check_model(args: argparse.Namespace, world_size: int) -> None:

@@ -57,7 +57,8 @@ def training_environment(args: argparse.Namespace) -> Iterator[None]:
     with scope:
         init_parallel(args.distributed_backend, args.tensor_model_parallel_size,
                       args.pipeline_model_parallel_size, args.distributed_timeout_minutes,
-                      getattr(args, "num_distributed_optimizer_instances", 1))
+                      getattr(args, "num_distributed_optimizer_instances", 1),
+                      getattr(args, "expert_model_parallel_size", 1), getattr(args, "expert_tensor_parallel_size", None))
         try:
             yield
         finally:

@@ -23,6 +23,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from ..checkpoint.load import padded_rows
+from ..compat.moe import define_absent_te_gemm
 from .corpus import ByteTokenizer
 
 
@@ -40,6 +41,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         num_attention_heads=args.num_attention_heads,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        add_bias_linear=not args.disable_bias_linear,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         bf16=args.bf16,
@@ -55,6 +57,26 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        **_moe_config(args),
+    )
+
+
+def _moe_config(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields of a mixture-of-experts model (none for a dense one)."""
+    if args.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
     )
 
 
@@ -62,8 +84,8 @@ def _layer_spec(args: argparse.Namespace):
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec()
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts)
+    return get_gpt_layer_local_spec(num_experts=args.num_experts)
 
 
 def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
@@ -80,6 +102,8 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
                 ddp_class: Type[DistributedDataParallel] = DistributedDataParallel,
                 **ddp_kwargs) -> list[DistributedDataParallel]:
     """This rank's model chunks, each wrapped in ``ddp_class`` (Megatron DDP or a subclass)."""
+    if args.num_experts is not None:
+        define_absent_te_gemm()
     model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(args),

@@ -1,4 +1,4 @@
-"""Process groups for a training job: the default group, then Megatron's model-parallel groups.
+"""Process groups for a training job: the default group, then Megatron's model-parallel groups (the expert ones included).
 
 ``init_parallel`` is what Megatron-LM's ``initialize_megatron`` does for the pieces this
 project needs: ``torch.distributed`` from the launcher's environment (torchrun sets
@@ -23,7 +23,8 @@ from ..launcher import attempt_store
 
 
 def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-                  timeout_minutes: float = 10.0, num_distributed_optimizer_instances: int = 1) -> None:
+                  timeout_minutes: float = 10.0, num_distributed_optimizer_instances: int = 1,
+                  expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None) -> None:
     if not dist.is_initialized():
         if torch.cuda.is_available():  # before anything allocates on a device: this rank's GPU, not GPU 0
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -33,6 +34,8 @@ def init_parallel(backend: str, tensor_model_parallel_size: int, pipeline_model_
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
     )
 
 

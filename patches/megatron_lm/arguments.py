@@ -82,7 +82,6 @@ REFUSED_WITH_HIGGS = (
     ("--external-cuda-graph", "external_cuda_graph", "CUDA graphs are not tested with HiggsDDP's reduction"),
     ("--fp8-format", "fp8", "FP8 training (Transformer Engine on a GPU) is not tested with HiggsDDP"),
     ("--fp8-param-gather", "fp8_param_gather", "FP8 parameter buffers are not tested with HiggsDDP"),
-    ("--num-experts", "num_experts", "HiggsDDP does not reduce expert-parallel gradients yet (MoE)"),
 )
 
 
@@ -91,6 +90,9 @@ def refused_with_higgs(args: argparse.Namespace) -> list[str]:
     found = [f"{flag}: {why}" for flag, dest, why in REFUSED_WITH_HIGGS if getattr(args, dest, None)]
     if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
         found.append(f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not tested with HiggsDDP's reduction")
+    if getattr(args, "num_experts", None) and (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1:
+        found.append("--num-experts with --num-distributed-optimizer-instances > 1: the compressed sync of expert "
+                     "gradients across optimizer instances is not built")
     if (getattr(args, "context_parallel_size", 1) or 1) > 1:
         found.append(f"--context-parallel-size {args.context_parallel_size}: Megatron's context parallel needs "
                      "Transformer Engine's attention (a GPU), where HiggsDDP over its data-and-context group is "

@@ -58,6 +58,7 @@ import megatron.training.initialize as initialize
 import megatron.training.training as training
 
 from higgs_megatron import HiggsConfig, HiggsDDP
+from higgs_megatron.compat.moe import define_absent_te_gemm
 from higgs_megatron.compat.rebind import Rebinds
 from higgs_megatron.compat.symbols import Symbol, check_symbols
 from higgs_megatron.ddp import sync_traffic
@@ -187,6 +188,8 @@ def activate(args: Any, run: RunConfig) -> None:
     apply_block_allocator(run.memory.block_allocator)  # before process groups: no CUDA allocation yet
     if run.stability.higgs_step_timeout is not None:
         prepare_backend(args.distributed_backend)  # before process groups: NCCL's error handling
+    if getattr(args, "num_experts", None):
+        define_absent_te_gemm()  # megatron-core 0.16.1's MoE router without Transformer Engine (compat.moe)
     ddp_class = higgs_ddp_class(config)
     _rebind(training, "DDP", ddp_class)
     if PARSES_BEFORE_PRETRAIN:

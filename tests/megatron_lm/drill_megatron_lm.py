@@ -298,13 +298,18 @@ MORE_LAYOUTS = {
                                  "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer"], 8),
     "instances2xdp4": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"], 8),
     "overlap-param-gather": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 4),
+    # MoE: EP 2 x expert DP 2 over DP 4, a routing bias moved every step (tests/sync/drill_moe.py has more)
+    "moe-ep2xdp4-distopt": (4, ["--use-distributed-optimizer", "--num-experts", "4", "--expert-model-parallel-size", "2",
+                                "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "0.01",
+                                "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
+                                "--moe-router-bias-update-rate", "0.01"], 8),
 }
 
 
 @pytest.mark.parametrize("layout", MORE_LAYOUTS)
 def test_a_layout_equals_dense_aligns_once_and_resumes_bitwise(tmp_path, layout):
-    """Virtual pipeline stages, distributed-optimizer instances and the overlapped parameter
-    gather, each: ``--higgs-compressor none`` is Megatron's DDP (losses and
+    """Virtual pipeline stages, distributed-optimizer instances, the overlapped parameter
+    gather and MoE with expert parallelism, each: ``--higgs-compressor none`` is Megatron's DDP (losses and
     grad norms); at 5% with error feedback, a hang@1:3 past ``--higgs-step-timeout 2`` changes
     nothing (losses, the checkpoint at 6), through one alignment; and the checkpoint at 3
     resumes into the same iterations 4-6 and the same checkpoint at 6."""

@@ -48,6 +48,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-format", dest="fp8", default=None)
     parser.add_argument("--fp8-param-gather", action="store_true")
     parser.add_argument("--num-experts", type=int, default=None)
+    parser.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
     parser.add_argument("--context-parallel-size", type=int, default=1)
     return parser
 
@@ -138,7 +139,8 @@ def test_without_use_higgs_nothing_changes_and_our_other_flags_are_refused():
     (["--cuda-graph-impl", "local"], r"--cuda-graph-impl local: CUDA graphs are not tested"),
     (["--fp8-format", "hybrid"], r"--fp8-format: FP8 training"),
     (["--fp8-param-gather"], r"--fp8-param-gather: FP8 parameter buffers"),
-    (["--num-experts", "4"], r"--num-experts: HiggsDDP does not reduce expert-parallel gradients yet"),
+    (["--num-experts", "4", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+     r"--num-experts with --num-distributed-optimizer-instances > 1: the compressed sync of expert gradients"),
     (["--context-parallel-size", "2"], r"--context-parallel-size 2: Megatron's context parallel needs Transformer "
                                        r"Engine's attention"),
 ])

@@ -101,7 +101,8 @@ def _chunk_with_flag(flag: torch.Tensor):
     chunk.__dict__.update(_higgs=SimpleNamespace(check_nonfinite=False, waits=StepWaits(), ledger=None),
                           higgs_config=HiggsConfig(),
                           bucket_groups=[SimpleNamespace(higgs_nonfinite=flag,
-                                                         buckets=[SimpleNamespace(grad_data=grad)])])
+                                                         buckets=[SimpleNamespace(grad_data=grad)])],
+                          expert_parallel_bucket_groups=[])
     return chunk
 
 

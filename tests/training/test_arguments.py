@@ -15,6 +15,13 @@ def test_defaults_fill_derived_fields():
     assert args.lr_decay_iters == args.train_iters and args.lr_warmup_iters == args.train_iters // 10
 
 
+def test_a_moe_layout_derives_the_expert_data_parallel_size():
+    args = parse_args(["--num-experts", "4", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
+                       "--disable-bias-linear"], world_size=8)
+    assert (args.data_parallel_size, args.expert_data_parallel_size) == (8, 2)
+    assert parse_args([], world_size=4).expert_data_parallel_size == 4  # no experts: the DP size
+
+
 @pytest.mark.parametrize("argv,world_size,message", [
     (["--tensor-model-parallel-size", "3"], 4,
      "world size 4 is not divisible by --tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1"),
@@ -40,6 +47,20 @@ def test_defaults_fill_derived_fields():
     (["--save", "/tmp/x", "--checkpoint-interval", "0"], 1, "--checkpoint-interval 0.0: expected a positive number of seconds"),
     (["--higgs-length-buckets", "32,256"], 1, "--higgs-length-buckets '32,256': every length must be in [1, --seq-length 128]"),
     (["--higgs-length-buckets", "64,32"], 1, "--higgs-length-buckets '64,32': lengths must be strictly increasing"),
+    (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size: only with --num-experts"),
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2,
+     "--num-experts 3 is not divisible by --expert-model-parallel-size 2"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4"], 2,
+     "world size 2 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 4"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2,
+     "--num-experts with --tensor-model-parallel-size > 1: megatron-core's MoE layer trains only with sequence"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], 2,
+     "--expert-tensor-parallel-size 2 needs --disable-bias-linear"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5: expected 1 to --num-experts 4"),
+    (["--num-experts", "4", "--moe-router-enable-expert-bias"], 1,
+     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+    (["--num-experts", "4", "--use-higgs", "--use-distributed-optimizer", "--num-distributed-optimizer-instances",
+      "2"], 2, "--use-higgs with --num-experts and --num-distributed-optimizer-instances > 1"),
 ])
 def test_bad_input_is_named(argv, world_size, message):
     with pytest.raises(UsageError) as info:

@@ -126,7 +126,7 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
         conservation = []
         byte_ratios = []
         for (group, bucket), (accumulated, sparse, plan, density, nbytes) in last.items():
-            residual = ddp.bucket_groups[group].higgs_residuals[bucket].current
+            residual = ddp.higgs_bucket_groups[group].higgs_residuals[bucket].current
             sent = torch.zeros_like(accumulated)
             sent[plan.always_positions] = sparse.always
             sent.index_add_(0, sparse.positions, sparse.values)
@@ -141,9 +141,9 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
             assert nbytes == plan.payload_bytes(density, accumulated.dtype)  # the plan's size is what went out
             byte_ratios.append((nbytes - always_bytes) / (accumulated.numel() * itemsize - plan.n_always * itemsize))
         out = {"coords": coordinates(), "params": parameters(trainer), "conservation": conservation,
-               "byte_ratios": byte_ratios, "trace": list(trace), "groups": len(ddp.bucket_groups),
+               "byte_ratios": byte_ratios, "trace": list(trace), "groups": len(ddp.higgs_bucket_groups),
                "compressions_per_step": len(records) / args.train_iters,
-               "buckets": sum(len(g.buckets) for g in ddp.bucket_groups)}
+               "buckets": sum(len(g.buckets) for g in ddp.higgs_bucket_groups)}
         trainer.close()
     return out
 

@@ -12,11 +12,11 @@ def _written() -> int:
 def _priced(ddp) -> float:
     """The wire bytes the paths of ``ddp``'s next step price, over every bucket."""
     shared, total = ddp._higgs, 0.0
-    for group in ddp.bucket_groups:
+    for group in ddp.higgs_bucket_groups:
         step = group.next_step()
         density, dense = shared.schedule.density(step), shared.schedule.dense_stage(step)
         for paths in group.higgs_buckets:
-            path, step_density = paths.step_path(density, dense, False, shared.costs)
+            path, step_density = paths.step_path(density, dense, False, group.higgs_domain.costs)
             total += path.wire_bytes(step_density)
     return total
 
