@@ -21,11 +21,10 @@ SPARSE = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucke
           "sparse", "--higgs-payload", "wide", "--higgs-dense-iters", "0", "--higgs-density-warmup-iters", "0"]
 
 
-@pytest.mark.oracle
 @pytest.mark.parametrize("world_size,layout,distopt", [
     pytest.param(4, ETP1, [], id="etp1-adam"),
     pytest.param(4, ETP1, ["--use-distributed-optimizer"], id="etp1-distopt"),
-    pytest.param(8, ETP2, ["--use-distributed-optimizer"], id="etp2-distopt"),
+    pytest.param(8, ETP2, ["--use-distributed-optimizer"], id="etp2-distopt", marks=pytest.mark.oracle),
 ])
 def test_moe_equals_megatron_ddp_when_dense_and_keeps_expert_replicas_equal_at_one_percent(
         world_size, layout, distopt, tiny_gpt_args):
@@ -104,8 +103,8 @@ def test_the_routing_bias_moves_once_per_step_taken(tmp_path, tiny_gpt_args):
             assert not torch.equal(skip[7][name], skip[1][name]), f"{name}: the bias never moved"
 
 
-@pytest.mark.oracle
-@pytest.mark.parametrize("distopt", [[], ["--use-distributed-optimizer"]], ids=["adam", "distopt"])
+@pytest.mark.parametrize("distopt", [pytest.param([], id="adam"),
+                                     pytest.param(["--use-distributed-optimizer"], id="distopt", marks=pytest.mark.oracle)])
 def test_a_moe_run_resumes_bitwise(tmp_path, distopt, tiny_gpt_args):
     base = tiny_gpt_args + COMMON + MOE + ETP1 + distopt + SPARSE
     straight = run_ranks(run_trainer, 4, args=(base + ["--train-iters", "6"],))
