@@ -75,6 +75,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup, shard_buffer
 
@@ -83,7 +84,7 @@ from .compress.agreed import AgreedPlan, ScoreBuffer
 from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, Selector, make_selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
-from .device import DeviceTimer
+from .device import DeviceTimer, collective_device
 from .expert_bias import KeptExpertBias
 from .grad_paths import DensitySchedule, StepLaunch
 from .reduce.cast_reduce import PendingCastReduce
@@ -494,6 +495,8 @@ class HiggsDDP(DistributedDataParallel):
         index = 0
         for offset, groups in enumerate((self.bucket_groups, self.expert_parallel_bucket_groups)):
             if not groups:
+                if offset == 1:
+                    self._higgs_join_expert_node_groups()
                 continue
             domain, dp_group = self._higgs_domain(groups, seed_offset=offset * _SELECTOR_SEED_STRIDE)
             self._higgs_domains.append(domain)
@@ -544,10 +547,31 @@ class HiggsDDP(DistributedDataParallel):
             # Megatron's parallel state made the two levels: dense inside an instance, compressed across.
             domain.nodes = instance_groups(dp_group, groups[0].inter_distributed_optimizer_instance_group)
             dp_group = self.dp_cp_group  # the cost measurement is agreed over the whole DP group
-        elif config.sync in ("auto", "hierarchical") and config.compressor != "none":
-            # Collective over the whole world: every rank builds its HiggsDDP chunks together.
+        elif self._builds_node_groups():
+            # Collective over the whole world: every rank builds its HiggsDDP chunks together (a
+            # rank whose chunk has no experts joins the experts' in _higgs_join_expert_node_groups).
+            if groups is self.expert_parallel_bucket_groups:
+                dist.all_reduce(torch.tensor([1], device=collective_device()), op=dist.ReduceOp.MAX)
             domain.nodes = build_node_groups(dp_group)
         return domain, dp_group
+
+    def _builds_node_groups(self) -> bool:
+        """Whether the domains build node groups (collective over the whole world)."""
+        config = self.higgs_config
+        return (self._higgs.instances == 1 and config.sync in ("auto", "hierarchical")
+                and config.compressor != "none")
+
+    def _higgs_join_expert_node_groups(self) -> None:
+        """A chunk without experts (a pipeline stage without MoE layers) where other ranks'
+        chunks have them: ``build_node_groups`` is collective over the whole world, so this rank
+        takes part in theirs, for its own expert-data-parallel group, and keeps nothing. Whether
+        any rank has experts is agreed first (a MAX over the world, only where node groups are built)."""
+        if not self._builds_node_groups():
+            return
+        others = torch.tensor([0], device=collective_device())
+        dist.all_reduce(others, op=dist.ReduceOp.MAX)  # paired with _higgs_domain's on ranks with experts
+        if others.item():
+            build_node_groups(parallel_state.get_expert_data_parallel_group())
 
     def _higgs_plan_auto(self, domain: _Domain, groups: list[HiggsBucketGroup], dp_group: dist.ProcessGroup,
                          distributed_optimizer: bool) -> None:

@@ -123,6 +123,31 @@ def test_reshard_restores_global_model_and_moments(tmp_path, save_layout, load_l
     assert resumed[-1]["start"] == 3 and losses[-1] < losses[0] + 0.5
 
 
+@pytest.mark.parametrize("save_world,save_layout,load_world,load_layout", [
+    pytest.param(4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+                 2, ["--use-distributed-optimizer"], id="instances2xdp4-to-dp2"),
+    pytest.param(2, ["--use-distributed-optimizer"], 4, ["--use-distributed-optimizer",
+                                                          "--num-distributed-optimizer-instances", "2"],
+                 id="dp2-to-instances2xdp4"),
+    pytest.param(4, ["--pipeline-model-parallel-size", "2"], 2, [], id="pp2xdp2-adam-to-dp2"),
+])
+def test_reshard_to_and_from_optimizer_instances_and_without_the_distributed_optimizer(
+        tmp_path, save_world, save_layout, load_world, load_layout, tiny_gpt_args):
+    """With --use-higgs (its residuals start from zero after a reshard): the global model and
+    Adam moments after the load are the saved ones, and the run goes on."""
+    base = tiny_gpt_args + COMMON + HIGGS + ["--global-batch-size", "16"]
+    saved = run_ranks(run_trainer, save_world, args=(base + save_layout + ["--train-iters", "3", "--save",
+                                                                             str(tmp_path)],))
+    argv = base + load_layout + ["--train-iters", "5", "--load", str(tmp_path), "--recovery-mode", "reshard"]
+    resumed = run_ranks(run_trainer, load_world, args=(argv,))
+    before, after = _global(saved, "final"), _global(resumed, "after_load")
+    moment_keys = [k for k in before if "exp_avg" in k]
+    assert moment_keys and any(not k.startswith("optimizer.") for k in before)
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    assert resumed[-1]["start"] == 3 and sorted(resumed[-1]["losses"]) == [4, 5]
+
+
 @pytest.mark.oracle
 @pytest.mark.parametrize("optimizer", [pytest.param([], id="adam"),
                                        pytest.param(["--use-distributed-optimizer"], id="distopt")])

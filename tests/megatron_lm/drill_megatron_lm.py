@@ -224,6 +224,36 @@ def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, 
     assert len(after) == 3 and after[-1] < before[2], (before, after)
 
 
+# (ranks, saved layout, loaded layout, global batch): the layouts whose optimizer state is laid
+# out differently from the plain DP one (virtual stages; two optimizer instances)
+RESHARDS = {
+    "vpp2xpp2-to-pp2": (4, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                            "--num-layers-per-virtual-pipeline-stage", "1"],
+                        ["--pipeline-model-parallel-size", "2", "--num-layers", "4"], 8),
+    "instances2xdp4-to-dp4": (4, ["--num-distributed-optimizer-instances", "2"], [], 8),
+}
+
+
+@pytest.mark.parametrize("layout", RESHARDS)
+def test_reshard_moves_virtual_stages_and_optimizer_instances_to_another_layout(tmp_path, layout):
+    """Saved at 3 in one layout, loaded under --recovery-mode reshard in another and saved again
+    before any step: every model tensor and Adam moment is the saved one."""
+    nproc, saved, loaded, batch = RESHARDS[layout]
+    common = ["--use-higgs", "--higgs-sync", "sparse", "--higgs-min-bucket-numel", "0", "--use-distributed-optimizer"]
+    megatron_lm(nproc, *common, *saved, "--save", str(tmp_path / "a"), "--save-interval", "3", iters=3,
+                global_batch=batch)
+    again = megatron_lm(nproc, *common, *loaded, "--load", str(tmp_path / "a"), "--checkpoint-version", "3",
+                        "--recovery-mode", "reshard", "--save", str(tmp_path / "b"), "--save-interval", "1000",
+                        "--use-checkpoint-opt_param-scheduler", iters=3, global_batch=batch).stdout
+    assert "(resharded: " in again, again[-3000:]
+    a = tensors(tmp_path / "a" / "iter_0000003", tmp_path / "a.pt")
+    b = tensors(tmp_path / "b" / "iter_0000003", tmp_path / "b.pt")
+    compared = [key for key in a if key.startswith(("decoder.", "embedding.", "output_layer.", "optimizer.state."))]
+    assert any(key.startswith("optimizer.state.exp_avg") for key in compared)
+    for key in compared:
+        assert torch.equal(a[key], b[key]), key
+
+
 def test_checkpoint_interval_saves_by_wall_clock(tmp_path):
     out = megatron_lm(2, "--use-higgs", "--higgs-sync", "sparse", "--save", str(tmp_path / "c"), "--save-interval",
                       "1000", "--checkpoint-interval", "0.001", iters=3).stdout
@@ -296,6 +326,8 @@ def test_a_hang_past_the_step_timeout_is_one_alignment_and_changes_nothing(tmp_p
 MORE_LAYOUTS = {
     "vpp2xpp2xdp2-distopt": (4, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                                  "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer"], 8),
+    "vpp2xpp2xdp2-adam": (4, ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                              "--num-layers-per-virtual-pipeline-stage", "1"], 8),
     "instances2xdp4": (4, ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"], 8),
     "overlap-param-gather": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], 4),
     # MoE: EP 2 x expert DP 2 over DP 4, a routing bias moved every step (tests/sync/drill_moe.py has more)

@@ -3,6 +3,7 @@ multi-process runs over gloo."""
 
 import json
 
+import pytest
 import torch
 
 from higgs_megatron_bench.ranks import run_pretrain_script, run_ranks
@@ -109,6 +110,27 @@ def test_a_hang_under_two_optimizer_instances_is_one_alignment_on_either_level(t
             for key, value in out["params"][f"hang_{kind}"].items():
                 assert torch.equal(value, out["params"][f"clean_{kind}"][key]), f"{kind}: differs at {key}"
                 assert torch.equal(value, outs[0]["params"][f"hang_{kind}"][key]), f"{kind}: replicas differ at {key}"
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["--tensor-model-parallel-size", "2"], id="tp2xdp2"),
+    pytest.param(["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"], id="pp2xdp2-distopt"),
+])
+def test_a_hang_under_tp_or_pp_is_one_alignment_and_changes_nothing(tmp_path, layout, tiny_gpt_args):
+    """Four ranks, DP=2 beside TP=2 or PP=2: rank 1 stalls 6 s in iteration 3. Its TP (or
+    pipeline) peer waits for it in Megatron's own collectives, unbounded; the other replica's
+    ranks give their gradient sync up past the 2 s timeout. One alignment on every rank, all
+    iterations run, and the parameters are the clean run's, bitwise."""
+    variants = {name: _base(tiny_gpt_args, tmp_path, name) + layout + ["--global-batch-size", "16"] + flags
+                for name, flags in (("clean", ["--higgs-step-timeout", "4"]),
+                                    ("hang", ["--higgs-step-timeout", "2", "--inject-fault", "hang@1:3:6"]))}
+    outs = run_ranks(train_variants, 4, args=(variants,), timeout=500)
+    for out in outs:
+        assert out["alignments"] == {"clean": 0, "hang": 1}
+        for key, value in out["params"]["hang"].items():
+            assert torch.equal(value, out["params"]["clean"][key]), f"differs from the clean run at {key}"
+    losses = next(out["losses"] for out in outs if out["losses"]["hang"])
+    assert sorted(losses["hang"]) == list(range(1, 7)) and losses["hang"] == losses["clean"]
 
 
 def test_crash_restarts_and_resumes_from_the_latest_checkpoint(tmp_path, tiny_gpt_args):

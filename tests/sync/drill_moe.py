@@ -118,13 +118,14 @@ def test_a_moe_run_resumes_bitwise(tmp_path, distopt, tiny_gpt_args):
         assert torch.equal(final_a[key], final_b[key]), key
 
 
-@pytest.mark.oracle
-def test_a_moe_reshard_to_another_expert_parallel_size_keeps_the_global_state(tmp_path, tiny_gpt_args):
+@pytest.mark.parametrize("distopt", [pytest.param([], id="adam"),
+                                     pytest.param(["--use-distributed-optimizer"], id="distopt", marks=pytest.mark.oracle)])
+def test_a_moe_reshard_to_another_expert_parallel_size_keeps_the_global_state(tmp_path, distopt, tiny_gpt_args):
     """Saved with EP 2 (two experts a rank, expert DP 2), loaded with EP 4 (one a rank, expert
     DP 1) on the same four ranks: the global model and Adam moments are the saved ones, and the
     run goes on. (EP 1 puts the experts in the dense optimizer, Megatron's ChainedOptimizer
     becomes one optimizer and its state other keys: the load refuses, naming them.)"""
-    base = tiny_gpt_args + COMMON + MOE + ETP1 + ["--use-distributed-optimizer"] + SPARSE
+    base = tiny_gpt_args + COMMON + MOE + ETP1 + distopt + SPARSE
     saved = run_ranks(run_trainer, 4, args=(base + ["--train-iters", "3", "--save", str(tmp_path)],))
     argv = base + ["--expert-model-parallel-size", "4", "--train-iters", "5", "--load", str(tmp_path),
                    "--recovery-mode", "reshard"]
