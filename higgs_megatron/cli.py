@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--data-parallel-size", type=int, required=True, metavar="D")
     sub.add_argument("--context-parallel-size", type=int, default=1, metavar="C")
     sub.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="E")
+    sub.add_argument("--expert-tensor-parallel-size", type=int, default=None, metavar="ET",
+                     help="default: the tensor-parallel size")
+    sub.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, metavar="V",
+                     help="virtual pipeline stages per rank (default: none)")
+    sub.add_argument("--num-distributed-optimizer-instances", type=int, default=1, metavar="N")
     sub.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
                      help="the target's optimizer (default: as saved)")
     sub.add_argument("--make-vocab-size-divisible-by", type=int, default=None, metavar="N",
@@ -61,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _target(args: argparse.Namespace) -> Layout:
     """The asked layout; ``use_distributed_optimizer`` None: as saved (``tool.plan`` fills it)."""
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-                 "context_parallel_size", "expert_model_parallel_size"):
+                 "context_parallel_size", "expert_model_parallel_size", "num_distributed_optimizer_instances"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected 1 or more")
     world = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
@@ -70,7 +75,11 @@ def _target(args: argparse.Namespace) -> Layout:
                   pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                   data_parallel_size=args.data_parallel_size, context_parallel_size=args.context_parallel_size,
                   expert_model_parallel_size=args.expert_model_parallel_size,
-                  use_distributed_optimizer=args.use_distributed_optimizer)
+                  use_distributed_optimizer=args.use_distributed_optimizer,
+                  virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+                  num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+                  expert_tensor_parallel_size=(None if args.expert_tensor_parallel_size in (None, args.tensor_model_parallel_size)
+                                               else args.expert_tensor_parallel_size))
 
 
 def _run(args: argparse.Namespace) -> tuple[str, object, bool]:

@@ -128,13 +128,16 @@ _LAYOUT_NAMES = {
     "context_parallel_size": "context-parallel size",
     "expert_model_parallel_size": "expert-model-parallel size",
     "use_distributed_optimizer": "distributed optimizer",
+    "virtual_pipeline_model_parallel_size": "virtual pipeline stages per rank",
+    "num_distributed_optimizer_instances": "distributed-optimizer instances",
+    "expert_tensor_parallel_size": "expert-tensor-parallel size (none: the tensor-parallel size)",
 }
 
 
 def _show(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
-    return str(value)
+    return "none" if value is None else str(value)
 
 
 def layout_differences(saved: Layout, now: Layout) -> list[str]:

@@ -71,6 +71,12 @@ class Layout:
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     use_distributed_optimizer: bool = False
+    # Each changes how parameters and their error-feedback residuals are laid out, so a change
+    # is a reshard. The expert tensor-parallel size is recorded only where it is not the
+    # tensor-parallel size (None: the same), so a dense model never names it.
+    virtual_pipeline_model_parallel_size: int | None = None
+    num_distributed_optimizer_instances: int = 1
+    expert_tensor_parallel_size: int | None = None
 
 
 @dataclass
@@ -174,15 +180,29 @@ def committed_checkpoints(save_dir: Path) -> list[int]:
 
 
 def current_layout(use_distributed_optimizer: bool) -> Layout:
+    tp, expert_tp = (parallel_state.get_tensor_model_parallel_world_size(),
+                     parallel_state.get_expert_tensor_parallel_world_size())
     return Layout(
         world_size=dist.get_world_size(),
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         use_distributed_optimizer=use_distributed_optimizer,
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        num_distributed_optimizer_instances=_optimizer_instances(),
+        expert_tensor_parallel_size=None if expert_tp == tp else expert_tp,
     )
+
+
+def _optimizer_instances() -> int:
+    """Megatron's num_distributed_optimizer_instances: the data-parallel ranks over those of
+    one instance."""
+    instance = parallel_state.get_intra_distributed_optimizer_instance_group(check_initialized=False)
+    if instance is None:
+        return 1
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=True) // instance.size()
 
 
 def current_coords() -> dict[str, int]:

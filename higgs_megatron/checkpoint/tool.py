@@ -55,9 +55,14 @@ def checkpoint_paths(directory: str | Path, version: int | None = None,
 
 
 def _layout_text(layout: Layout) -> str:
+    extra = [f"{name} {value}" for name, value in (("VPP", layout.virtual_pipeline_model_parallel_size),
+                                                   ("ETP", layout.expert_tensor_parallel_size)) if value is not None]
+    if layout.num_distributed_optimizer_instances > 1:
+        extra.append(f"{layout.num_distributed_optimizer_instances} optimizer instances")
     return (f"TP {layout.tensor_model_parallel_size} x PP {layout.pipeline_model_parallel_size} x "
-            f"DP {layout.data_parallel_size} (CP {layout.context_parallel_size}, EP {layout.expert_model_parallel_size}; "
-            f"world {layout.world_size}), distributed optimizer {'on' if layout.use_distributed_optimizer else 'off'}")
+            f"DP {layout.data_parallel_size} (CP {layout.context_parallel_size}, EP {layout.expert_model_parallel_size}"
+            + "".join(f", {e}" for e in extra) + f"; world {layout.world_size}), "
+            f"distributed optimizer {'on' if layout.use_distributed_optimizer else 'off'}")
 
 
 def describe(path: Path) -> dict:

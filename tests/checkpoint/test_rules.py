@@ -132,3 +132,21 @@ def test_a_checkpoint_of_a_newer_megatron_core_is_refused_naming_both_an_older_o
     problem = newer_release("0.19.2", running="0.16.1")
     assert problem.startswith("it was written under megatron-core 0.19.2, newer than this run's 0.16.1")
     assert "resume under megatron-core 0.19" in problem
+
+
+def test_virtual_stages_optimizer_instances_and_expert_tp_are_layout():
+    """Each lays out the parameters, and so the error-feedback residuals, differently: a change is
+    a reshard, named; a rank map written before they were recorded reads as none of them."""
+    from higgs_megatron.checkpoint.load import layout_differences
+
+    before = _layout()
+    assert layout_differences(before, _layout(virtual_pipeline_model_parallel_size=2)) == [
+        "virtual pipeline stages per rank: checkpoint none, now 2"]
+    assert layout_differences(before, _layout(num_distributed_optimizer_instances=2)) == [
+        "distributed-optimizer instances: checkpoint 1, now 2"]
+    assert layout_differences(_layout(expert_tensor_parallel_size=1), before) == [
+        "expert-tensor-parallel size (none: the tensor-parallel size): checkpoint 1, now none"]
+    old = {k: v for k, v in vars(before).items() if k in (
+        "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+        "context_parallel_size", "expert_model_parallel_size", "use_distributed_optimizer")}
+    assert layout_differences(Layout(**old), before) == []

@@ -224,6 +224,17 @@ def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, 
     assert len(after) == 3 and after[-1] < before[2], (before, after)
 
 
+def test_experts_on_one_pipeline_stage_only_build_their_groups_with_every_rank():
+    """--moe-layer-freq [1,0] under PP=2: the first stage's chunks hold experts, the second's
+    none. Under --higgs-sync auto the experts' node groups are built collectively over the
+    whole world; the second stage's ranks take part (HiggsDDP._higgs_join_expert_node_groups)
+    rather than leaving the first stage's waiting."""
+    out = megatron_lm(4, "--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size",
+                      "2", "--moe-layer-freq", "[1,0]", "--moe-router-topk", "2", "--use-higgs",
+                      "--higgs-compression-ratio", "0.05", iters=3, global_batch=8).stdout
+    assert sorted(iterations(out)) == [1, 2, 3], out[-3000:]
+
+
 # (ranks, saved layout, loaded layout, global batch): the layouts whose optimizer state is laid
 # out differently from the plain DP one (virtual stages; two optimizer instances)
 RESHARDS = {
