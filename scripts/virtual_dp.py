@@ -234,7 +234,11 @@ class VirtualRank:
     def sync(self) -> None:
         """This rank's gradient sync in a real run's order: with ``--overlap-grad-reduce`` every
         bucket group is launched (as backward makes each ready, first to last) before
-        ``finalize_model_grads`` finishes them; without it, each is launched and finished in turn."""
+        ``finalize_model_grads`` finishes them; without it, each is launched and finished in turn.
+        Each twin is reset first, as ``zero_grad_buffer`` resets the model's bucket groups (from
+        megatron-core 0.19 a finished group's second ``finish_grad_sync`` in an iteration is a no-op)."""
+        for twin in self.groups:
+            twin.reset()
         if self.groups[0].ddp_config.overlap_grad_reduce:
             for twin in self.groups:
                 twin.start_grad_sync()

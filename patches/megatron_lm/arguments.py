@@ -62,10 +62,25 @@ def chain_args_providers(existing: ArgsProvider | None) -> ArgsProvider:
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if existing is not None:
             parser = existing(parser) or parser
-        return add_patch_args(parser)
+        return escape_bare_percents(add_patch_args(parser))
 
     provider.chained = existing  # type: ignore[attr-defined]
     return provider
+
+
+def escape_bare_percents(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse formats each help string with ``%``: one that holds a bare ``%`` makes ``--help``
+    raise instead of print (Megatron-LM 0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda``
+    says "10%)"). Such a help string gets its ``%`` doubled; the others are left as they are."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.help or action.help is argparse.SUPPRESS:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+    return parser
 
 
 # (flag, argparse dest, why): Megatron-LM features refused with --use-higgs, before any process

@@ -266,3 +266,12 @@ def test_gpt_entry_names_what_only_megatron_lms_own_script_does():
     args = argparse.Namespace(sft=False, fim_data=True, logits_load_dir="/logits", hybrid_context_parallel=False)
     assert script_only_flags(args) == ["--fim-data", "--logits-load-dir"]
     assert script_only_flags(argparse.Namespace(sft=False)) == []
+
+
+def test_a_help_string_with_a_bare_percent_no_longer_breaks_help():
+    """Megatron-LM 0.19.2's own --help raises on "(e.g. 1.10 = 10%)"; the chained provider escapes it."""
+    parser = megatron_like_parser()
+    parser.add_argument("--factor", type=float, help="headroom (e.g. 1.10 = 10%).")
+    parser.add_argument("--ratio", type=float, default=0.5, help="share (default: %(default)s)")
+    text = chain_args_providers(None)(parser).format_help()
+    assert "10%)." in text and "default: 0.5" in text
