@@ -495,8 +495,10 @@ class HiggsDDP(DistributedDataParallel):
         index = 0
         for offset, groups in enumerate((self.bucket_groups, self.expert_parallel_bucket_groups)):
             if not groups:
-                if offset == 1:
-                    self._higgs_join_expert_node_groups()
+                if offset == 1 and self._experts_elsewhere():
+                    # build_node_groups is collective over the whole world: take part in the
+                    # experts', for this rank's expert-data-parallel group, and keep nothing
+                    build_node_groups(parallel_state.get_expert_data_parallel_group())
                 continue
             domain, dp_group = self._higgs_domain(groups, seed_offset=offset * _SELECTOR_SEED_STRIDE)
             self._higgs_domains.append(domain)
@@ -549,9 +551,9 @@ class HiggsDDP(DistributedDataParallel):
             dp_group = self.dp_cp_group  # the cost measurement is agreed over the whole DP group
         elif self._builds_node_groups():
             # Collective over the whole world: every rank builds its HiggsDDP chunks together (a
-            # rank whose chunk has no experts joins the experts' in _higgs_join_expert_node_groups).
+            # rank whose chunk has no experts joins the experts' in __init__).
             if groups is self.expert_parallel_bucket_groups:
-                dist.all_reduce(torch.tensor([1], device=collective_device()), op=dist.ReduceOp.MAX)
+                self._agree_on_experts(True)  # with the ranks whose chunks have none (_experts_elsewhere)
             domain.nodes = build_node_groups(dp_group)
         return domain, dp_group
 
@@ -561,17 +563,21 @@ class HiggsDDP(DistributedDataParallel):
         return (self._higgs.instances == 1 and config.sync in ("auto", "hierarchical")
                 and config.compressor != "none")
 
-    def _higgs_join_expert_node_groups(self) -> None:
-        """A chunk without experts (a pipeline stage without MoE layers) where other ranks'
-        chunks have them: ``build_node_groups`` is collective over the whole world, so this rank
-        takes part in theirs, for its own expert-data-parallel group, and keeps nothing. Whether
-        any rank has experts is agreed first (a MAX over the world, only where node groups are built)."""
+    def _experts_elsewhere(self) -> bool:
+        """This chunk has no experts (a pipeline stage without MoE layers): whether another
+        rank's has, where that matters (the domains build node groups). Agreed by a MAX over
+        the world, which ranks with experts take part in from ``_higgs_domain``; a host read,
+        once, at construction."""
         if not self._builds_node_groups():
-            return
-        others = torch.tensor([0], device=collective_device())
-        dist.all_reduce(others, op=dist.ReduceOp.MAX)  # paired with _higgs_domain's on ranks with experts
-        if others.item():
-            build_node_groups(parallel_state.get_expert_data_parallel_group())
+            return False
+        return bool(self._agree_on_experts(False))
+
+    @staticmethod
+    def _agree_on_experts(mine: bool) -> int:
+        """Whether any rank of the world has experts (collective over the world)."""
+        flag = torch.tensor([int(mine)], device=collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
     def _higgs_plan_auto(self, domain: _Domain, groups: list[HiggsBucketGroup], dp_group: dist.ProcessGroup,
                          distributed_optimizer: bool) -> None:

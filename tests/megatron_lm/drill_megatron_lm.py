@@ -227,7 +227,7 @@ def test_same_sharding_refuses_another_layout_and_reshard_moves_to_it(tmp_path, 
 def test_experts_on_one_pipeline_stage_only_build_their_groups_with_every_rank():
     """--moe-layer-freq [1,0] under PP=2: the first stage's chunks hold experts, the second's
     none. Under --higgs-sync auto the experts' node groups are built collectively over the
-    whole world; the second stage's ranks take part (HiggsDDP._higgs_join_expert_node_groups)
+    whole world; the second stage's ranks take part (HiggsDDP._experts_elsewhere)
     rather than leaving the first stage's waiting."""
     out = megatron_lm(4, "--pipeline-model-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size",
                       "2", "--moe-layer-freq", "[1,0]", "--moe-router-topk", "2", "--use-higgs",
