@@ -5,13 +5,17 @@ series, which needs Python 3.12 (pyproject.toml installs the one that fits). Our
 overrides megatron-core's private reduction, and checkpoints restore through its private
 optimizer methods, so a release we have not run can train wrongly without failing: another
 one is refused unless the user asks to try it (``--higgs-allow-untested-megatron``), and then
-a warning says so. The symbols we touch are checked either way (``symbols``).
+a warning says so. So is a release of a supported series whose bodies of the methods we
+re-implement differ from those we read (``forks``). The symbols we touch are checked either way
+(``symbols``).
 """
 
 from __future__ import annotations
 
 import logging
 from importlib import metadata
+
+from .forks import fork_problems
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +45,19 @@ def supported(version: str) -> bool:
 
 
 def check_megatron_core(allow_untested: bool = False, version: str | None = None) -> str:
-    """The installed release, when supported; else ``UntestedMegatron`` naming it, or with
+    """The installed release, when supported and the bodies of the methods we re-implement are
+    ones we read (``forks``); else ``UntestedMegatron`` naming what is not, or with
     ``allow_untested`` a warning."""
     version = version or megatron_core_version()
-    if supported(version):
+    problems = [] if supported(version) else [
+        f"megatron-core {version} is installed; higgs-megatron is tested with megatron-core "
+        f"{' and '.join(entry if entry.count('.') == 2 else entry + '.x' for entry in SUPPORTED)}"]
+    problems += fork_problems()
+    if not problems:
         return version
-    message = (f"megatron-core {version} is installed; higgs-megatron is tested with megatron-core "
-               f"{' and '.join(entry if entry.count('.') == 2 else entry + '.x' for entry in SUPPORTED)}")
+    message = "; ".join(problems)
     if not allow_untested:
         raise UntestedMegatron(f"{message}: install a tested release (pip install -e . picks the one for this "
                                f"Python), or pass {ALLOW_FLAG} to try this one")
     log.warning(f" WARNING: {message}; running anyway ({ALLOW_FLAG})")
     return version
-

@@ -2,13 +2,15 @@
 against the installed megatron-core, the one rebind helper. One process."""
 
 import argparse
+import ast
 import logging
 import sys
 import types
 
 import pytest
 
-from higgs_megatron.compat import symbols, versions
+from higgs_megatron.compat import forks, symbols, versions
+from higgs_megatron.compat.forks import Fork, fingerprint, fork_problems
 from higgs_megatron.compat.groups import replace_groups
 from higgs_megatron.compat.rebind import Rebinds, rebound
 from higgs_megatron.compat.symbols import Symbol, check_symbols, symbol_problems
@@ -31,6 +33,41 @@ def test_an_untested_release_is_refused_naming_it_unless_asked_then_said(caplog)
     with caplog.at_level(logging.WARNING, logger=versions.__name__):
         assert check_megatron_core(allow_untested=True, version="0.17.1") == "0.17.1"
     assert "running anyway (--higgs-allow-untested-megatron)" in caplog.text
+
+
+def test_the_installed_release_has_the_bodies_we_read_of_what_we_re_implement():
+    assert fork_problems() == []
+
+
+def fingerprint_of_source(source: str) -> str:
+    return forks.fingerprint_node(ast.parse(source).body[0])
+
+
+def test_a_body_fingerprint_ignores_comments_layout_and_docstrings_not_code():
+    plain = "def sync(self, force):\n    scale = 2\n    return self.reduce(scale * force)\n"
+    reworded = ('def sync(self, force):\n    """Reduce."""\n    # the scale\n    scale = 2\n'
+                '    return self.reduce(\n        scale * force)  # reduced\n')
+    changed = "def sync(self, force):\n    scale = 2\n    self.drain()\n    return self.reduce(scale * force)\n"
+    assert fingerprint_of_source(reworded) == fingerprint_of_source(plain)
+    assert fingerprint_of_source(changed) != fingerprint_of_source(plain)
+
+
+def test_a_release_whose_re_implemented_body_changed_is_refused_naming_it_unless_asked(monkeypatch, caplog,
+                                                                                      tmp_path):
+    (tmp_path / "fake_megatron_forks.py").write_text(
+        "class Group:\n    def start_grad_sync(self, force_all_reduce=False):\n        self.drain()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fork = Fork("fake_megatron_forks:Group.start_grad_sync", {"0.16.1": "0" * 16}, "ddp.HiggsBucketGroup.start_grad_sync")
+    monkeypatch.setattr(versions, "fork_problems", lambda: [fork.problem()])
+    with pytest.raises(UntestedMegatron, match=r"fake_megatron_forks:Group.start_grad_sync is not the body of any "
+                                               r"release ddp.HiggsBucketGroup.start_grad_sync follows \(0.16.1\).*"
+                                               r"--higgs-allow-untested-megatron"):
+        check_megatron_core(version="0.16.1")
+    with caplog.at_level(logging.WARNING, logger=versions.__name__):
+        assert check_megatron_core(allow_untested=True, version="0.16.1") == "0.16.1"
+    assert "upstream changed what we re-implement; running anyway" in caplog.text
+    read = Fork(fork.path, {"0.16.1": fingerprint(fork.installed())}, fork.ours)
+    assert read.problem() is None
 
 
 def test_every_private_symbol_we_rely_on_is_as_expected_in_the_installed_release():
