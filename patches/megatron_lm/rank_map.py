@@ -36,6 +36,7 @@ RNG state follows Megatron-LM's own rule (kept when TP and PP are unchanged).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -44,7 +45,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from higgs_megatron.runtime.run_config import RunConfig
-from higgs_megatron.checkpoint.save import PendingCheckpoint, commit, common_files, hash_files, shard_files
+from higgs_megatron.checkpoint.save import (PendingCheckpoint, commit, common_files, hash_files, shard_files,
+                                            thread_results_queue)
 from higgs_megatron.checkpoint.load import agree, restoring, uncovered_shards, validated_checkpoint, vocab_record
 from higgs_megatron.checkpoint.manifest import MEGATRON_LM_TRACKER, Manifest, current_layout
 from higgs_megatron.checkpoint.state import owner_written_optimizer_state, shard_records
@@ -111,7 +113,10 @@ class RankMapHooks:
             iteration=int(iteration), consumed_samples=int(getattr(a, "consumed_train_samples", 0)),
             use_distributed_optimizer=a.use_distributed_optimizer, higgs=self.run.compression.to_dict(), save_dir=Path(a.save),
             in_place=True, started=time.perf_counter(), vocab=megatron_lm_vocab(a)))
-        with owner_written_optimizer_state():
+        # A synchronous save writes from this process: megatron-core's results queue need not be
+        # a spawned manager's (seconds on a launch's first save; ``thread_results_queue``).
+        queue = contextlib.nullcontext() if a.async_save else thread_results_queue()
+        with owner_written_optimizer_state(), queue:
             result = original(iteration, *args, **kwargs)
         if not a.async_save:
             self.pending.commit()

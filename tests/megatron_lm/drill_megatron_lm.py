@@ -14,6 +14,7 @@ checks expect exactly that, and compare grad norms and final weights as well.
 import importlib.util
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,13 +86,38 @@ def tensors(checkpoint_dir, out) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def assert_same_checkpoint(tmp_path, name: str, other: str = "b") -> None:
-    """Runs a/ and ``other``/ saved the same checkpoint ``name``: every tensor bitwise, optimizer state included."""
-    a = tensors(tmp_path / "a" / name, tmp_path / "a.pt")
+def assert_same_checkpoint(tmp_path, name: str, other: str = "b", reference: Path | None = None) -> None:
+    """Runs ``reference`` (a/ by default) and ``other``/ saved the same checkpoint ``name``: every
+    tensor bitwise, optimizer state included."""
+    a = tensors((reference or tmp_path / "a") / name, tmp_path / "a.pt")
     b = tensors(tmp_path / other / name, tmp_path / f"{other}.pt")
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+DRILL = ["--use-higgs", "--use-distributed-optimizer", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--save-interval", "1000"]
+BUCKETS = {"dense": ["--higgs-link-gbps", "100"],  # the default --higgs-sync auto, told the link is fast
+           "sparse": ["--higgs-sync", "sparse", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.05"]}
+# The undisturbed run that the resume, hang and rerun drills disturb: 5% with error feedback, the
+# distributed optimizer, saved at 3 and 6; reruns disabled, the checks the rerun drill fires on set
+STRAIGHT = [*DRILL, *BUCKETS["sparse"], "--save-interval", "3", "--higgs-step-timeout", "2",
+            "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss", "--rerun-mode", "disabled"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[str, Path]:
+    """``STRAIGHT`` run once for the drills that compare with it: its log and its save folder."""
+    save = tmp_path_factory.mktemp("straight")
+    return megatron_lm(2, *STRAIGHT, "--save", str(save)).stdout, save
+
+
+def undisturbed(request, tmp_path, flags: list[str]) -> tuple[str, Path]:
+    """The run with ``flags`` and nothing injected, saved: the module's for ``STRAIGHT``, else run now into a/."""
+    if flags == STRAIGHT:
+        return request.getfixturevalue("straight")
+    return megatron_lm(2, *flags, "--save", str(tmp_path / "a")).stdout, tmp_path / "a"
 
 
 @pytest.mark.skipif(not (WHEEL and CHECKOUT), reason="compares gpt_entry with a core_v0.19.0 checkout's pretrain_gpt.py: "
@@ -157,22 +183,20 @@ def test_without_use_higgs_the_patched_run_equals_the_unpatched_checkout():
 
 
 @pytest.mark.parametrize("saving", [pytest.param("sync", marks=pytest.mark.oracle), "async"])
-def test_save_and_resume_continue_the_straight_run(tmp_path, saving):
-    common = ["--use-higgs", "--higgs-sync", "sparse", "--use-distributed-optimizer", "--save-interval", "3"]
-    if saving == "async":
-        common.append("--async-checkpoint")
-    straight = megatron_lm(2, *common, "--save", str(tmp_path / "a")).stdout
-    resumed = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--load", str(tmp_path / "a"),
+def test_save_and_resume_continue_the_straight_run(tmp_path, saving, request):
+    common = STRAIGHT if saving == "sync" else [*STRAIGHT, "--async-checkpoint"]
+    straight_log, saved = undisturbed(request, tmp_path, common)
+    resumed = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--load", str(saved),
                           "--checkpoint-version", "3").stdout
     # .metadata, metadata.json and the shard files: 0.16.1 writes two per rank and common.pt; 0.19
     # one per rank, and keeps the common state in rank 0's
     assert f"rank map and {4 if WHEEL else 7} file hashes checked (same sharding)" in resumed, resumed[-3000:]
-    full, tail = iterations(straight), iterations(resumed)
+    full, tail = iterations(straight_log), iterations(resumed)
     assert sorted(tail) == [4, 5, 6]
     assert tail[4]["lm loss"] == full[4]["lm loss"] and tail[6]["lm loss"] == full[6]["lm loss"]
     assert tail[5]["lm loss"] == pytest.approx((full[4]["lm loss"] + full[5]["lm loss"]) / 2, rel=1e-6)
     assert [tail[i]["grad norm"] for i in (4, 5, 6)] == [full[i]["grad norm"] for i in (4, 5, 6)]
-    assert_same_checkpoint(tmp_path, "iter_0000006")
+    assert_same_checkpoint(tmp_path, "iter_0000006", reference=saved)
 
 
 @pytest.mark.parametrize("saved", ["tp2", "pp2"])
@@ -309,28 +333,22 @@ def test_async_saves_while_state_is_offloaded_resume_bitwise(tmp_path):
     assert_same_checkpoint(tmp_path, "iter_0000006")
 
 
-DRILL = ["--use-higgs", "--use-distributed-optimizer", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--save-interval", "1000"]
-BUCKETS = {"dense": ["--higgs-link-gbps", "100"],  # the default --higgs-sync auto, told the link is fast
-           "sparse": ["--higgs-sync", "sparse", "--higgs-min-bucket-numel", "0", "--higgs-compression-ratio", "0.05"]}
-
-
 @pytest.mark.parametrize("buckets", [pytest.param(name, marks=pytest.mark.oracle) if name == "sparse" else name
                                      for name in BUCKETS])
-def test_a_hang_past_the_step_timeout_is_one_alignment_and_changes_nothing(tmp_path, buckets):
+def test_a_hang_past_the_step_timeout_is_one_alignment_and_changes_nothing(tmp_path, buckets, request):
     """hang@1:3:6 under --higgs-step-timeout 2 (DP=2, distributed optimizer): rank 0 gives the
     sync up, every rank drops the step, rebuilds its data-parallel groups and runs iteration 3
     again on the same micro-batches; Megatron-LM logs six iterations, none skipped, and the
     checkpoint at 6 is bitwise the undisturbed run's."""
-    common = [*DRILL, *BUCKETS[buckets], "--higgs-step-timeout", "2"]
-    clean = megatron_lm(2, *common, "--save", str(tmp_path / "a")).stdout
+    common = STRAIGHT if buckets == "sparse" else [*DRILL, *BUCKETS[buckets], "--higgs-step-timeout", "2"]
+    clean, reference = undisturbed(request, tmp_path, common)
     hang = megatron_lm(2, *common, "--save", str(tmp_path / "b"), "--inject-fault", "hang@1:3:6").stdout
     alignments = re.findall(r"progress alignment at iteration (\d+): step dropped on every rank \(([^)]*)\)", hang)
     assert alignments == [("3", "rank 0: gradient sync did not complete within 2s")], hang[-3000:]
     assert sorted(iterations(hang)) == list(range(1, 7))
     assert column(hang, "lm loss") == column(clean, "lm loss")
     assert "number of skipped iterations:   1" not in hang
-    assert_same_checkpoint(tmp_path, "iter_0000006")
+    assert_same_checkpoint(tmp_path, "iter_0000006", reference=reference)
 
 
 # Layouts beyond DP, TP x DP and PP x DP (above): (ranks, flags, global batch)
@@ -386,7 +404,7 @@ def test_a_layout_equals_dense_aligns_once_and_resumes_bitwise(tmp_path, layout)
 
 
 @pytest.mark.oracle
-def test_an_iteration_megatron_lms_rerun_state_machine_runs_twice_syncs_as_once(tmp_path):
+def test_an_iteration_megatron_lms_rerun_state_machine_runs_twice_syncs_as_once(tmp_path, request):
     """Megatron-LM's rerun state machine (``--rerun-mode validate_results``, its default) with an
     injected transient error runs the forward-backward of the iterations it picks twice on the
     same data, so HiggsDDP syncs twice before one optimizer step. Each sync starts from the
@@ -394,15 +412,14 @@ def test_an_iteration_megatron_lms_rerun_state_machine_runs_twice_syncs_as_once(
     feedback) is bitwise the one with reruns disabled, losses, grad norms and the checkpoint.
     The injection lands on the spiky-loss check, which is not fatal: after the rerun the
     iteration goes on (a fatal check, the NaN one, ends the job with Megatron-LM's exit 17)."""
-    common = [*DRILL, *BUCKETS["sparse"], "--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss"]
-    disabled = megatron_lm(2, *common, "--rerun-mode", "disabled", "--save", str(tmp_path / "a")).stdout
-    proc = megatron_lm(2, *common, "--rerun-mode", "validate_results", "--error-injection-rate", "2",
+    disabled, reference = request.getfixturevalue("straight")
+    proc = megatron_lm(2, *STRAIGHT, "--rerun-mode", "validate_results", "--error-injection-rate", "2",
                        "--error-injection-type", "transient_error", "--save", str(tmp_path / "b"))
     reruns = (proc.stdout + proc.stderr).count("Continuing normal execution because failed validation was not fatal")
     assert reruns >= 2, (proc.stdout + proc.stderr)[-3000:]  # iterations run twice, then stepped
     assert column(proc.stdout, "lm loss") == column(disabled, "lm loss") and len(column(disabled, "lm loss")) == 6
     assert column(proc.stdout, "grad norm") == column(disabled, "grad norm")
-    assert_same_checkpoint(tmp_path, "iter_0000006")
+    assert_same_checkpoint(tmp_path, "iter_0000006", reference=reference)
 
 
 def test_sigterm_under_megatron_lms_exit_signal_handler_commits_the_rank_map_and_resumes_bitwise(tmp_path):
