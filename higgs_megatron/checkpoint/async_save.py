@@ -31,7 +31,6 @@ synchronous save.
 
 from __future__ import annotations
 
-import queue
 import threading
 from functools import partial
 from pathlib import Path
@@ -44,14 +43,13 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCaller, AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-from ..compat.checkpointing import async_save_options, is_megatron_writer
+from ..compat.checkpointing import async_save_options
 from ..device import HostCopy, request_event
 from .manifest import CheckpointError
-from .save import (PendingCheckpoint, SaveResult, begin, commit, common_files, crc32_skipped, first_line,
-                   hash_files, pending_checkpoint, shard_files, thread_results_queue)
+from .save import (PendingCheckpoint, SaveResult, begin, commit, common_files, first_line, hash_files,
+                   megatron_writer_args, pending_checkpoint, thread_results_queue, write_buckets)
 from .state import TrainingState, saved_state
 
 
@@ -153,12 +151,10 @@ class AsyncCheckpointer:
         self.validated = True
         self._hashes = None
         if request.async_fn is not None:
-            write = request.async_fn  # partial(<megatron-core's multi-bucket writer>, transform_list, use_msc)
-            if not is_megatron_writer(write):
-                raise RuntimeError(f"unexpected megatron-core async writer {write!r} (see higgs_megatron.compat)")
+            transform_list = megatron_writer_args(request)
             device = torch.cuda.current_device() if torch.cuda.is_available() else None
             request = request._replace(
-                async_fn=partial(self._write_and_hash, write.args[0], snapshot.directory),
+                async_fn=partial(self._write_and_hash, transform_list),
                 preload_fn=partial(self._copy_on_writer_thread, request.async_fn_args[1], live, request_event(),
                                    device))
             self._host_copy = None
@@ -194,24 +190,10 @@ class AsyncCheckpointer:
             self._host_copy.order_before()
             self._host_copy = None
 
-    def _write_and_hash(self, transform_list, directory: Path, rank: int, write_buckets: list,
-                        results_queue) -> None:
-        """The writer thread: megatron-core's per-file writer for each bucket, then the
-        SHA-256 of this rank's files; results go where megatron-core's finalization reads them."""
-        results: dict | Exception = {}
-        local, count = queue.Queue(), queue.Queue()
-        with crc32_skipped():
-            for index, bucket in enumerate(write_buckets):
-                count.put(index)
-                FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, local, count, True)
-                _, written = local.get()
-                if isinstance(written, Exception):
-                    results = written
-                    break
-                results[index] = written
-        if not isinstance(results, Exception):
-            self._hashes = hash_files(shard_files(rank, directory))
-        results_queue.put(results)
+    def _write_and_hash(self, transform_list, rank: int, buckets: list, results_queue) -> None:
+        """The writer thread: megatron-core's per-file writer, then this rank's files' records
+        (``save.write_buckets``)."""
+        self._hashes = write_buckets(transform_list, buckets, results_queue)
 
     def _finalize(self, snapshot: PendingCheckpoint, shards: list) -> None:
         # The writer hashed the shard files; only rank 0's small common files are hashed here.
@@ -225,6 +207,9 @@ class AsyncCheckpointer:
         snapshot = self.pending
         try:
             self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointError:  # our commit's, already the same on every rank
+            self.pending = None
+            raise
         except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - the same on every rank
             self.pending = None
             raise CheckpointError(f"checkpoint {snapshot.directory} not committed: {type(exc).__name__}: "

@@ -1,11 +1,14 @@
 """Loading: pick a committed checkpoint, check it against this run, then load and restore.
 
-Order (every rank, collectively): read ``latest`` (or ``--checkpoint-version N``) -> read the
-rank map -> layout check (``same-sharding``: any difference stops the load, each named;
-``reshard``: every shard this rank needs must be covered by saved shards) -> SHA-256 of
-every file, shared out across ranks -> only then ``dist_checkpointing.load``. Every failure
-is agreed on by all ranks (an all-gather of the problems) and raised as ``CheckpointError``
-before any model or optimizer state has been touched. Both front-ends run the same steps
+Order (every rank, collectively): rank 0 chooses (``latest``, or ``--checkpoint-version N``)
+and broadcasts its choice -> its rank map, read by every rank and checked to be the bytes
+rank 0 read -> SHA-256 of every file, shared out across ranks; a checkpoint that fails here
+(a rank map missing or unreadable, a file missing or changed) is skipped with a warning for
+the previous committed one, unless ``--checkpoint-version`` named it -> layout check
+(``same-sharding``: any difference stops the load, each named; ``reshard``: every shard this
+rank needs must be covered by saved shards) -> only then ``dist_checkpointing.load``. Every
+failure is agreed on by all ranks (an all-gather of the problems) and raised as
+``CheckpointError`` before any model or optimizer state has been touched. Both front-ends run the same steps
 (``validated_checkpoint``, ``restoring``); Megatron-LM's loader then reads the files itself.
 
 Every rule a checkpoint must pass is here:
@@ -34,6 +37,7 @@ and leave every real row bitwise equal. The rank map records the true size
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,11 +280,16 @@ def choose_checkpoint(load_dir: str | Path, version: int | None = None,
     return chosen, f"{pointer_file} {said}; loading the newest committed checkpoint, {chosen}"
 
 
-def agree(local_problems: list[str], what: str) -> None:
-    """All ranks learn every rank's problems; raise the same error everywhere."""
+def agreed_problems(local_problems: list[str]) -> list[str]:
+    """Every rank's problems, on every rank (sorted, without repeats)."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local_problems)
-    problems = sorted({p for rank_problems in gathered for p in rank_problems})
+    return sorted({p for rank_problems in gathered for p in rank_problems})
+
+
+def agree(local_problems: list[str], what: str) -> None:
+    """All ranks learn every rank's problems; raise the same error everywhere."""
+    problems = agreed_problems(local_problems)
     if problems:
         raise CheckpointError(f"{what}:\n  " + "\n  ".join(problems))
 
@@ -297,23 +306,81 @@ def newer_release(written_by: str, running: str = MEGATRON_CORE_VERSION) -> str 
     return None
 
 
+def older_committed(load_dir: str | Path, chosen: Path) -> list[Path]:
+    """The committed checkpoints under ``load_dir`` other than ``chosen``, newest first: where a
+    load falls back to when ``chosen`` fails its integrity check."""
+    return [Path(load_dir) / CHECKPOINT_NAME.format(i) for i in reversed(committed_checkpoints(Path(load_dir)))
+            if Path(load_dir) / CHECKPOINT_NAME.format(i) != chosen]
+
+
+def _rank_0_chooses(load_dir: str | Path, version: int | None, pointer: str) -> list[Path]:
+    """``choose_checkpoint`` on rank 0, broadcast: the checkpoints to try in order (the choice,
+    then, unless ``version`` named it, the others newest first), its warning last; [] for a
+    fresh start. Every rank gets the same list or the same error, whatever its view of a shared
+    filesystem's directory (attribute caches) would have said."""
+    plan: list = [None, None]  # the checkpoints to try (or rank 0's error), the warning
+    if dist.get_rank() == 0:
+        try:
+            path, plan[1] = choose_checkpoint(load_dir, version, pointer)
+            plan[0] = [] if path is None else [path, *(older_committed(load_dir, path) if version is None else [])]
+        except CheckpointError as error:
+            plan[0] = error
+    dist.broadcast_object_list(plan, src=0)
+    if isinstance(plan[0], CheckpointError):
+        raise plan[0]
+    return [*plan[0], plan[1]]
+
+
+def _agreed_manifest(path: Path) -> tuple[Manifest | None, list[str]]:
+    """``path``'s rank map as every rank reads it, and the problems that make the checkpoint
+    unusable (agreed): rank 0's reading (its SHA-256 broadcast) is the one; a rank that reads
+    other bytes is an error, never a fallback (the checkpoint is not damaged; that rank's view
+    of the filesystem is stale)."""
+    said: list = [None, None]  # SHA-256 of the rank map's bytes, or why it cannot be read
+    if dist.get_rank() == 0:
+        try:
+            said[0] = hashlib.sha256((path / MANIFEST_NAME).read_bytes()).hexdigest()
+            Manifest.read(path)
+        except (OSError, CheckpointError) as error:
+            said = [None, str(error)]
+    dist.broadcast_object_list(said, src=0)
+    if said[1] is not None:
+        return None, [said[1]]
+    mine = (path / MANIFEST_NAME).read_bytes()
+    agree([] if hashlib.sha256(mine).hexdigest() == said[0] else
+          [f"rank {dist.get_rank()} reads other bytes than rank 0 (a stale cache of a shared filesystem?)"],
+          f"{path / MANIFEST_NAME} is not the same on every rank")
+    manifest = Manifest.from_json(mine.decode(), str(path / MANIFEST_NAME))
+    return manifest, agreed_problems(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()))
+
+
 def validated_checkpoint(load_dir: str | Path, version: int | None, recovery_mode: str, layout: Layout,
                          vocab: dict | None, pointer: str = LATEST) -> LoadResult | None:
-    """Both front-ends' first steps of a load, collective: choose the checkpoint
-    (``choose_checkpoint``), read its rank map, check its layout against ``layout``
-    (``same-sharding`` refuses any difference; the differences make ``resharded``) and its
-    files' hashes, shared out over the ranks. None when ``load_dir`` holds no checkpoint."""
-    path, warning = choose_checkpoint(load_dir, version, pointer)
-    if path is None:
+    """Both front-ends' first steps of a load, collective (the module docstring's order): the
+    checkpoint rank 0 chooses, or the newest older one when it fails its integrity check
+    (named in the warning; never under ``version``), with its rank map, its layout checked
+    against ``layout`` (``same-sharding`` refuses any difference; the differences make
+    ``resharded``). None when ``load_dir`` holds no checkpoint."""
+    *tried, warning = _rank_0_chooses(load_dir, version, pointer)
+    if not tried:
         return None
-    manifest = Manifest.read(path)
+    warnings = [warning] if warning else []
+    for index, path in enumerate(tried):
+        manifest, problems = _agreed_manifest(path)
+        if not problems:
+            break
+        if version is not None or index == len(tried) - 1:
+            raise CheckpointError(f"{path} failed its integrity check" + (
+                "" if version is not None else " (as did every older committed checkpoint)") + ":\n  "
+                + "\n  ".join(problems))
+        warnings.append(f"{path} failed its integrity check ({'; '.join(problems)}); falling back to "
+                        f"{tried[index + 1]}")
     unreadable = newer_release(manifest.versions.get("megatron_core", "0.0"))
     if unreadable:
         raise CheckpointError(f"{path}: {unreadable}")
     differences = check_layout(path, manifest.layout, layout, recovery_mode, recorded_vocab(manifest, vocab), vocab)
-    agree(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()), f"{path} failed its integrity check")
-    return LoadResult(path=path, manifest=manifest, resharded=bool(differences), warning=warning,
-                      differences=differences)
+    return LoadResult(path=path, manifest=manifest, resharded=bool(differences),
+                      warning="; ".join(warnings) or None, differences=differences)
 
 
 @contextlib.contextmanager

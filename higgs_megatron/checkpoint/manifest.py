@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from .durable import write_durably
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "rank_map.json"
@@ -99,6 +100,7 @@ class Manifest:
     created: str
     schema_version: int = SCHEMA_VERSION
     vocab: dict | None = None
+    save_id: str | None = None  # the save that wrote it (``save.begin``); absent from older rank maps
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -119,7 +121,7 @@ class Manifest:
             return cls(iteration=raw["iteration"], consumed_samples=raw["consumed_samples"],
                        layout=Layout(**raw["layout"]), ranks=ranks, higgs=raw.get("higgs"),
                        versions=raw["versions"], created=raw["created"], schema_version=version,
-                       vocab=raw.get("vocab"))
+                       vocab=raw.get("vocab"), save_id=raw.get("save_id"))
         except (KeyError, TypeError) as error:
             raise CheckpointError(f"{source}: missing or malformed field ({error})") from None
 
@@ -131,14 +133,8 @@ class Manifest:
         return cls.from_json(path.read_text(), str(path))
 
     def write(self, checkpoint_dir: str | Path) -> None:
-        """Write atomically (temporary file, fsync, rename)."""
-        path = Path(checkpoint_dir) / MANIFEST_NAME
-        tmp = path.with_suffix(".json.tmp")
-        with open(tmp, "w") as f:
-            f.write(self.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        """Write atomically and durably (``durable.write_durably``)."""
+        write_durably(Path(checkpoint_dir) / MANIFEST_NAME, self.to_json())
 
 
 def sha256_of(path: Path, chunk: int = 1 << 22) -> str:

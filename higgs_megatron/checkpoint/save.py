@@ -4,19 +4,27 @@
 steps 2 and 3 in the background); the Megatron-LM patches write with Megatron-LM's own save
 and then call ``commit``. All ranks take part, at the same iteration:
 
-1. ``begin``: rank 0 removes leftovers of interrupted saves (``*.tmp``) and makes
-   ``iter_NNNNNNN.tmp``.
+1. ``begin``: rank 0 draws this save's id (``save_id``: this launch's name, ``launch_name``,
+   and a random part), removes what interrupted saves of this launch or of ended ones left
+   (another job's saves in progress are left alone, and named), and makes
+   ``iter_NNNNNNN.<save id>.tmp``; the id, or rank 0's error, is broadcast, so every rank
+   raises the same ``CheckpointError`` or none does.
 2. Every rank hands its sharded state (``state.py``) to ``dist_checkpointing.save``
-   (torch_dist): its own ``__<rank>_*.distcp`` files; rank 0 also the common files. A write
-   error on any rank is raised on every rank by megatron-core's result exchange.
-3. Every rank hashes the files it wrote (``hash_files``) and lists the shards it held.
+   (torch_dist), whose plan is written by megatron-core's per-file writer on this process
+   (``write_buckets``): its own ``__<rank>_*.distcp`` files; rank 0 also the common files. A
+   write error on any rank is raised on every rank by megatron-core's result exchange.
+3. Every rank hashes and fsyncs the files it wrote, named by the writer's plan (never by a
+   listing of the directory), from one handle each (``durable.hash_and_fsync``).
 4. ``commit``: every rank's record (host, coordinates, files with SHA-256, shards held) and
-   error, if any, are all-gathered; any error raises ``CheckpointError`` on every rank, and
-   nothing is committed. Rank 0 writes ``rank_map.json`` (atomically) into the directory that
-   holds the files; for a checkpoint written into ``iter_NNNNNNN.tmp``, it then renames it to
-   ``iter_NNNNNNN``, replaces ``latest`` (written to a temporary file and renamed), and
-   removes the oldest committed checkpoints beyond ``keep_last``. A checkpoint written in
-   place (Megatron-LM's own save, which moves its own tracker) is committed by its rank map.
+   error, if any, are gathered on rank 0 (not on every rank: they grow with the job). Rank 0
+   writes ``rank_map.json`` durably into the directory that holds the files, fsyncs that
+   directory, and, for a ``.tmp`` save, puts it at ``iter_NNNNNNN`` (``durable.replace_dir``:
+   an existing one is swapped out in one step, never removed first), fsyncs the save
+   directory, then replaces ``latest`` (temporary file, fsync, rename, directory fsync) and
+   removes the oldest committed checkpoints beyond ``keep_last``. Its outcome (an error on any
+   rank, or its own) is broadcast: every rank raises the same ``CheckpointError``, or none. A
+   checkpoint written in place (Megatron-LM's own save, which moves its own tracker) is
+   committed by its rank map and the directory fsyncs.
 
 The running job's layout and this rank's place in it (``manifest.current_layout``,
 ``manifest.current_coords``) are read from megatron-core's ``parallel_state`` at the moment
@@ -24,14 +32,15 @@ of the save, as the rank map records them.
 
 A crash at any point before the commit leaves ``latest`` naming the previous checkpoint; a
 directory without its rank map, or still named ``.tmp``, is never loaded, and the next save
-removes it.
+removes it once its launch has ended. ``docs/checkpoints.md`` says what each fsync guards.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import queue
-import shutil
+import secrets
 import socket
 import threading
 import time
@@ -48,20 +57,26 @@ from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpoin
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 from .. import __version__
-from ..compat.checkpointing import writer_errors
+from ..compat.checkpointing import async_save_options, is_megatron_writer, writer_errors
 from ..compat.rebind import rebound
 from ..compat.versions import MEGATRON_CORE_VERSION
-from .manifest import (CHECKPOINT_NAME, LATEST, CheckpointError, FileRecord, Manifest, RankRecord, ShardRecord,
-                       committed_checkpoints, current_coords, current_layout, sha256_of)
+from ..logs import get_logger
+from .durable import fsync_dir, hash_and_fsync, remove_tree, replace_dir, write_durably
+from .manifest import (CHECKPOINT_NAME, LATEST, CheckpointError, FileRecord, Layout, Manifest, RankRecord,
+                       ShardRecord, committed_checkpoints, current_coords, current_layout)
 from .state import TrainingState, saved_state
+
+log = get_logger(__name__)
 
 COMMON_FILES = (".metadata", "common.pt", "metadata.json")
 
 
 def shard_files(rank: int, directory: Path) -> list[Path]:
-    """The torch_dist files of this rank's tensor shards."""
+    """The torch_dist files of this rank's tensor shards, as a listing finds them: for a save
+    whose writer we do not run (Megatron-LM's own)."""
     return sorted(directory.glob(f"__{rank}_*.distcp"))
 
 
@@ -71,7 +86,62 @@ def common_files(rank: int, directory: Path) -> list[Path]:
 
 
 def hash_files(paths: list[Path]) -> list[FileRecord]:
-    return [FileRecord(path=p.name, sha256=sha256_of(p), bytes=p.stat().st_size) for p in paths]
+    """Each file's record, hashed and fsynced from one handle."""
+    return [FileRecord(path.name, *hash_and_fsync(path)) for path in paths]
+
+
+_LOCK = ".higgs-launch-{}.lock"
+_held: dict[Path, tuple[str, int]] = {}  # save directory: this launch's name in it, the descriptor holding its lock
+
+
+def launch_name(save_dir: Path) -> str:
+    """Rank 0's name for this launch of the job in ``save_dir``, drawn on its first save there,
+    with a lock (``flock``) held on ``.higgs-launch-<name>.lock`` while the process lives: the
+    ``.tmp`` directories named after a launch whose lock can be taken are an ended launch's
+    leftovers (this job's before a restart, or another's), and those of a live one are
+    another job's saves in progress, never touched."""
+    if save_dir not in _held:
+        name = secrets.token_hex(4)
+        fd = os.open(save_dir / _LOCK.format(name), os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _held[save_dir] = (name, fd)
+    return _held[save_dir][0]
+
+
+def _ended(save_dir: Path, launch: str) -> bool:
+    """Whether the launch ``launch`` holds its lock no longer (taken and released here)."""
+    lock = save_dir / _LOCK.format(launch)
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+def remove_leftovers(save_dir: Path, launch: str) -> list[str]:
+    """Remove the ``.tmp`` directories of this launch and of ended ones, and the ended ones'
+    locks; the names of those left, a live launch's (another job writing into the same
+    directory)."""
+    prefix, suffix = _LOCK.split("{}")
+    for lock in save_dir.glob(_LOCK.format("*")):
+        name = lock.name[len(prefix):-len(suffix)]
+        if name != launch:
+            _ended(save_dir, name)  # removes the lock of an ended launch
+    live = []
+    for stale in sorted(save_dir.glob("iter_*.tmp")):
+        owner = stale.name.split(".")[1].split("-")[0] if stale.name.count(".") == 2 else None
+        if owner is None or owner == launch or not (save_dir / _LOCK.format(owner)).exists():
+            remove_tree(stale)  # owner None: a release before save ids
+        else:
+            live.append(stale.name)
+    return live
 
 
 @dataclass
@@ -98,6 +168,7 @@ class PendingCheckpoint:
     pointer (Megatron-LM); False: into ``iter_NNNNNNN.tmp``, renamed at the commit."""
     started: float = 0.0
     vocab: dict | None = None  # vocab.vocab_record: the true size behind the padded rows
+    save_id: str = ""  # drawn by ``begin``: the launch's name and a random part
 
     @property
     def final(self) -> Path:
@@ -106,19 +177,31 @@ class PendingCheckpoint:
     @property
     def directory(self) -> Path:
         """Where the files are written."""
-        return self.final if self.in_place else self.save_dir / f"{CHECKPOINT_NAME.format(self.iteration)}.tmp"
+        return self.final if self.in_place else self.save_dir / f"{self.final.name}.{self.save_id}.tmp"
 
 
 def begin(pending: PendingCheckpoint) -> PendingCheckpoint:
-    """Before the files are written (every rank, for a ``.tmp`` save): rank 0 removes what
-    interrupted saves left and makes the directory; a barrier."""
+    """Before the files are written (every rank, collective): rank 0 draws the save id,
+    removes this job's interrupted saves and makes the directory (see the module docstring)."""
     pending.started = pending.started or time.perf_counter()
+    outcome: list = [None, None]  # the save id, rank 0's error
     if dist.get_rank() == 0:
-        pending.save_dir.mkdir(parents=True, exist_ok=True)
-        for stale in pending.save_dir.glob("*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        pending.directory.mkdir()
-    dist.barrier()
+        try:
+            pending.save_dir.mkdir(parents=True, exist_ok=True)
+            launch = launch_name(pending.save_dir)
+            outcome[0] = pending.save_id = f"{launch}-{secrets.token_hex(2)}"
+            live = remove_leftovers(pending.save_dir, launch)
+            if live:
+                log.warning(f" WARNING: {pending.save_dir} holds saves in progress of another job, left alone: "
+                            f"{', '.join(live)}")
+            if not pending.in_place:
+                pending.directory.mkdir()
+        except OSError as error:
+            outcome[1] = f"rank 0: {type(error).__name__}: {error}"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise CheckpointError(f"checkpoint of iteration {pending.iteration} not begun: {outcome[1]}")
+    pending.save_id = outcome[0]
     return pending
 
 
@@ -126,51 +209,49 @@ def commit(pending: PendingCheckpoint, shards: list[ShardRecord], files: list[Fi
            error: str | None = None) -> SaveResult:
     """Commit a checkpoint whose files this rank wrote (``files``) or failed to (``error``);
     collective (see the module docstring)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     record = RankRecord(rank=rank, host=socket.gethostname(), coords=current_coords(), files=files, shards=shards)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (record, error))
-    errors = [e for _, e in gathered if e]
-    if errors:
-        raise CheckpointError(f"checkpoint {pending.directory} not committed: " + "; ".join(errors))
+    gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((record, error), gathered, dst=0)
+    outcome: list = [None, 0]  # the error that stops the commit, the bytes committed
     if rank == 0:
-        Manifest(
-            iteration=pending.iteration, consumed_samples=pending.consumed_samples,
-            layout=current_layout(pending.use_distributed_optimizer),
-            ranks=[r for r, _ in gathered], higgs=pending.higgs,
-            versions={"higgs_megatron": __version__, "megatron_core": MEGATRON_CORE_VERSION, "torch": torch.__version__},
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"), vocab=pending.vocab,
-        ).write(pending.directory)
-        if not pending.in_place:
-            if pending.final.exists():
-                shutil.rmtree(pending.final)
-            os.replace(pending.directory, pending.final)
-            write_latest(pending.save_dir, pending.iteration)
-            _fsync_dir(pending.save_dir)
-            if pending.keep_last:
-                for old in committed_checkpoints(pending.save_dir)[:-pending.keep_last]:
-                    shutil.rmtree(pending.save_dir / CHECKPOINT_NAME.format(old), ignore_errors=True)
-    dist.barrier()
-    return SaveResult(path=pending.final, iteration=pending.iteration, bytes=sum(f.bytes for r, _ in gathered
-                                                                                 for f in r.files),
+        errors = [e for _, e in gathered if e]
+        outcome[1] = sum(f.bytes for r, _ in gathered for f in r.files)
+        if errors:
+            outcome[0] = "; ".join(errors)
+        else:
+            try:
+                commit_files(pending, [r for r, _ in gathered], current_layout(pending.use_distributed_optimizer))
+            except OSError as failure:
+                outcome[0] = f"rank 0: {type(failure).__name__}: {failure}"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CheckpointError(f"checkpoint {pending.directory} not committed: {outcome[0]}")
+    return SaveResult(path=pending.final, iteration=pending.iteration, bytes=outcome[1],
                       seconds=time.perf_counter() - pending.started)
 
 
+def commit_files(pending: PendingCheckpoint, ranks: list[RankRecord], layout: Layout) -> None:
+    """Rank 0's part of the commit, each step durable before the next (the module docstring)."""
+    Manifest(
+        iteration=pending.iteration, consumed_samples=pending.consumed_samples, layout=layout,
+        ranks=ranks, higgs=pending.higgs,
+        versions={"higgs_megatron": __version__, "megatron_core": MEGATRON_CORE_VERSION, "torch": torch.__version__},
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"), vocab=pending.vocab,
+        save_id=pending.save_id or f"{launch_name(pending.save_dir)}-{secrets.token_hex(2)}",  # in place: drawn now
+    ).write(pending.directory)  # durable: the file, then the directory's entry for it
+    if pending.in_place:
+        fsync_dir(pending.save_dir)
+        return
+    replace_dir(pending.directory, pending.final, pending.directory.with_suffix(".replaced"))
+    write_latest(pending.save_dir, pending.iteration)
+    if pending.keep_last:
+        for old in committed_checkpoints(pending.save_dir)[:-pending.keep_last]:
+            remove_tree(pending.save_dir / CHECKPOINT_NAME.format(old))
+
+
 def write_latest(save_dir: Path, iteration: int) -> None:
-    tmp = save_dir / f"{LATEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, save_dir / LATEST)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_durably(save_dir / LATEST, f"{iteration}\n")
 
 
 def pending_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: int | None) -> PendingCheckpoint:
@@ -231,16 +312,53 @@ def thread_results_queue() -> Iterator[None]:
         yield
 
 
+def write_buckets(transform_list: list, buckets: list, results_queue) -> list[FileRecord]:
+    """megatron-core's per-file writer for each bucket of a save's plan, on this thread, then
+    the record of each file it wrote, hashed and fsynced from the name the plan gives it: not
+    from a listing of the directory, so nothing another writer put there is certified. The
+    write results go where megatron-core's finalization reads them (which raises a failed
+    bucket's error on every rank); no records then."""
+    results: dict | Exception = {}
+    local, count = queue.Queue(), queue.Queue()
+    with crc32_skipped():
+        for index, bucket in enumerate(buckets):
+            count.put(index)
+            FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, local, count, True)
+            _, written = local.get()
+            if isinstance(written, Exception):
+                results = written
+                break
+            results[index] = written
+    records = [] if isinstance(results, Exception) else hash_files([Path(bucket[0]) for bucket in buckets])
+    results_queue.put(results)
+    return records
+
+
+def megatron_writer_args(request) -> list:
+    """The leading arguments megatron-core bound to its writer in an async save request
+    (``transform_list``), after checking that the writer is megatron-core's."""
+    write = request.async_fn  # partial(<megatron-core's multi-bucket writer>, transform_list, use_msc)
+    if not is_megatron_writer(write):
+        raise RuntimeError(f"unexpected megatron-core async writer {write!r} (see higgs_megatron.compat)")
+    return write.args[0]
+
+
 def save_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: int | None = None) -> SaveResult:
-    """Save ``training`` as a committed checkpoint, synchronously (see the module docstring)."""
+    """Save ``training`` as a committed checkpoint, synchronously (see the module docstring):
+    megatron-core's save, its writer run here through ``write_buckets``."""
     pending = begin(pending_checkpoint(training, save_dir, keep_last))
     rank = dist.get_rank()
     state, shards = saved_state(training)
     error, files = None, []
     try:
         with crc32_skipped(), thread_results_queue(), writer_errors() as logged:
-            dist_checkpointing.save(state, str(pending.directory))
-        files = hash_files(shard_files(rank, pending.directory) + common_files(rank, pending.directory))
+            request = dist_checkpointing.save(state, str(pending.directory), async_sharded_save=True,
+                                              **async_save_options())
+            written: list[FileRecord] = []
+            transform_list = megatron_writer_args(request)
+            request._replace(async_fn=lambda _rank, buckets, results: written.extend(
+                write_buckets(transform_list, buckets, results))).execute_sync()
+        files = written + hash_files(common_files(rank, pending.directory))
     except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
         said = first_line(exc)
         error = f"rank {rank}: {type(exc).__name__}: {said}" + "".join(

@@ -214,7 +214,8 @@ class Trainer:
             return
         self.iteration, self.consumed_samples = training.iteration, training.consumed_samples
         if loaded.warning:
-            self.log.event("checkpoint_pointer_not_committed", f" WARNING: {loaded.warning}", path=str(loaded.path))
+            self.log.event("checkpoint_fallback", f" WARNING: {loaded.warning}", path=str(loaded.path),
+                           warning=loaded.warning)
         self.log.event("checkpoint_validated", f" rank map of {loaded.path} validated "
                        f"({'resharded from ' + str(loaded.manifest.layout) if loaded.resharded else 'same sharding'})",
                        path=str(loaded.path), resharded=loaded.resharded)
@@ -240,22 +241,23 @@ class Trainer:
             self._committed(self.checkpointer.wait)
             self.log.event("save_started", iteration=self.iteration)
             started = time.perf_counter()
-            self.checkpointer.start(self.training_state(), checkpoint.save, checkpoint.keep_last)
-            stall = time.perf_counter() - started
-            self.log.event("checkpoint_started_in_background", f" iteration {self.iteration}: save planned; the host "
-                           f"copy, writing and hashing run in the background; the loop paid {stall * 1000:.0f} ms",
-                           iteration=self.iteration, stall_seconds=stall)
+            if self._committed(lambda: self.checkpointer.start(self.training_state(), checkpoint.save,
+                                                               checkpoint.keep_last) or [], last_chance=final):
+                stall = time.perf_counter() - started
+                self.log.event("checkpoint_started_in_background", f" iteration {self.iteration}: save planned; the "
+                               f"host copy, writing and hashing run in the background; the loop paid "
+                               f"{stall * 1000:.0f} ms", iteration=self.iteration, stall_seconds=stall)
         self._saved_at = self.iteration
         if self.runtime.memory is not None and self.checkpointer is not None:
             self.checkpointer.before_update()  # the host copy first: offloaded state leaves again in ``saved``
         self.runtime.saved()
 
-    def _committed(self, finish: Callable[[], list[SaveResult]], last_chance: bool = False) -> None:
-        """Log what ``finish()`` committed. A save that failed on any rank (a write, or an async
-        save's host copy: megatron-core's finalization raises it on every rank) committed
-        nothing and cost the run no state, so training goes on and the next save tries again
-        (event ``checkpoint_failed``); a second failure in a row, or a failed last save, ends
-        the run (``CheckpointError``, exit status 3)."""
+    def _committed(self, finish: Callable[[], list[SaveResult]], last_chance: bool = False) -> bool:
+        """Log what ``finish()`` committed; whether it went through. A save that failed on any
+        rank (its begin, a write, an async save's host copy, rank 0's commit: each raised on
+        every rank) committed nothing and cost the run no state, so training goes on and the
+        next save tries again (event ``checkpoint_failed``); a second failure in a row, or a
+        failed last save, ends the run (``CheckpointError``, exit status 3)."""
         try:
             results = finish()
         except CheckpointError as error:
@@ -265,13 +267,14 @@ class Trainer:
             self.log.event("checkpoint_failed", f" WARNING: {error}; the latest committed checkpoint stays the "
                            "latest; training goes on and the next save tries again", iteration=self.iteration,
                            error=str(error))
-            return
+            return False
         if results:
             self.failed_saves = 0
         for result in results:
             self.log.event("checkpoint_committed", f" saved {result.path} ({result.bytes / 1e6:.1f} MB, "
                            f"{result.seconds:.2f}s from start to commit)", path=str(result.path),
                            iteration=result.iteration, seconds=result.seconds, bytes=result.bytes)
+        return True
 
     def _save_due(self) -> bool:
         """``--save-interval`` by iteration count; ``--checkpoint-interval`` by wall clock, agreed

@@ -3,11 +3,12 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
 
-from higgs_megatron.checkpoint.manifest import MANIFEST_NAME, Manifest
+from higgs_megatron.checkpoint.manifest import MANIFEST_NAME, Manifest, committed_checkpoints, verify_files
 from higgs_megatron.checkpoint.load import _intersection_volume
 from higgs_megatron_bench.ranks import RankFailure, run_pretrain_script, run_ranks
 from tests.workers.checkpoint import optimizer_state_both_ways
@@ -225,6 +226,36 @@ def test_flipped_byte_is_detected_and_named(tmp_path, tiny_gpt_args):
         run_ranks(run_trainer, 2, args=(base + ["--load", str(tmp_path)],))
 
 
+@pytest.mark.parametrize("damage", ["truncated-shard", "flipped-common"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, tiny_gpt_args, damage):
+    """The newest checkpoint (4) damaged as a power loss or a bad copy leaves it: rank 1's
+    shard truncated, or a byte of rank 0's common state flipped. ``--checkpoint-version 4``
+    refuses it, naming the file; ``--auto-resume`` loads 2 with a warning naming the file and
+    why, and the run finishes, its save of 4 replacing the damaged one."""
+    save, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    base = tiny_gpt_args + COMMON + ["--save", str(save), "--save-interval", "2"]
+    run_ranks(run_trainer, 2, args=(base + ["--train-iters", "4"],))
+    newest = save / "iter_0000004"
+    if damage == "truncated-shard":
+        victim, writer = newest / "__1_0.distcp", 1
+        victim.write_bytes(victim.read_bytes()[:100])
+    else:  # megatron-core 0.19 keeps the common state in rank 0's shard files: its index then
+        victim, writer = next(newest / n for n in ("common.pt", ".metadata") if (newest / n).exists()), 0
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    said = f"{victim}: SHA-256 does not match the rank map (written by rank {writer})"
+    with pytest.raises(RankFailure, match=re.escape(said)):
+        run_ranks(run_trainer, 2, args=(base + ["--train-iters", "6", "--load", str(save), "--checkpoint-version", "4"],))
+    resumed = run_ranks(run_trainer, 2, args=(base + ["--train-iters", "6", "--auto-resume", "--log-json", str(log)],))
+    assert resumed[0]["start"] == 2
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    fallbacks = [r["warning"] for r in records if r.get("event") == "checkpoint_fallback"]
+    assert fallbacks == [f"{newest} failed its integrity check ({said}); falling back to {save / 'iter_0000002'}"]
+    assert committed_checkpoints(save) == [2, 4, 6] and (save / "latest").read_text() == "6\n"
+    assert verify_files(newest, Manifest.read(newest), 0, 1) == []  # saved again, whole
+
+
 def test_the_checkpoint_tool_inspects_verifies_and_plans_offline(tmp_path, tiny_gpt_args, capsys):
     from higgs_megatron.cli import main as cli
 
@@ -278,16 +309,17 @@ def test_the_checkpoint_tool_inspects_verifies_and_plans_offline(tmp_path, tiny_
 
 @pytest.mark.parametrize("mode", [pytest.param([], id="sync"), pytest.param(["--async-checkpoint"], id="async")])
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, mode, tiny_gpt_args):
-    """sync: rank 1 dies after writing its files, before the commit; async: rank 1 dies while
-    its writer thread writes, the loop already a step further."""
+    """sync: rank 1 dies after writing and hashing its files, before the commit; async: rank 1
+    dies while its writer thread writes, the loop already a step further. The directory left,
+    named by the job's save id, is the same job's: its next save removes it."""
     base = tiny_gpt_args + COMMON + mode + ["--save", str(tmp_path), "--save-interval", "2"]
     with pytest.raises(RankFailure):  # rank 1 dies; rank 0 fails or is killed with it
         run_ranks(run_trainer, 2, args=(base + ["--train-iters", "6"], 4), timeout=120)
     assert (tmp_path / "latest").read_text().strip() == "2"
-    assert (tmp_path / "iter_0000004.tmp").exists() and not (tmp_path / "iter_0000004").exists()
+    assert len(list(tmp_path.glob("iter_0000004.*.tmp"))) == 1 and not (tmp_path / "iter_0000004").exists()
     resumed = run_ranks(run_trainer, 2, args=(base + ["--train-iters", "4", "--load", str(tmp_path)],))
     assert resumed[0]["start"] == 2
-    assert not (tmp_path / "iter_0000004.tmp").exists(), "the next save removes the leftover"
+    assert not list(tmp_path.glob("iter_*.tmp")), "the next save removes the leftover"
     assert (tmp_path / "latest").read_text().strip() == "4"
 
 
@@ -353,14 +385,36 @@ def test_a_failed_save_commits_nothing_training_goes_on_and_a_second_in_a_row_en
     base = tiny_gpt_args + COMMON + mode + ["--save", str(tmp_path), "--save-interval", "2", "--train-iters", "6",
                                             "--log-json", str(log)]
     # The rank writes several files (__1_0, __1_1, ...); which one fails first varies.
-    with pytest.raises(RankFailure, match=r"iter_0000006.tmp not committed: .*Permission denied: .*__1_\d+.distcp"):
+    with pytest.raises(RankFailure, match=r"iter_0000006\.[0-9a-f-]+\.tmp not committed: .*Permission denied: .*__1_\d+.distcp"):
         run_ranks(run_trainer, 2, args=(base, None, (1, 4)), timeout=200)
     assert (tmp_path / "latest").read_text().strip() == "2"
     assert not (tmp_path / "iter_0000004").exists() and not (tmp_path / "iter_0000006").exists()
     records = [json.loads(line) for line in log.read_text().splitlines()]
     failed = [r for r in records if r["type"] == "event" and r["event"] == "checkpoint_failed"]
-    assert len(failed) == 1 and "iter_0000004.tmp not committed" in failed[0]["error"], failed
+    assert len(failed) == 1 and re.search(r"iter_0000004\.[0-9a-f-]+\.tmp not committed", failed[0]["error"]), failed
     assert [r["iteration"] for r in records if r["type"] == "iteration"] == [6]  # trained past the failed save
+
+
+@pytest.mark.parametrize("mode", [pytest.param([], id="sync"), pytest.param(["--async-checkpoint"], id="async")])
+def test_rank_0_failing_to_begin_or_commit_reaches_every_rank_and_training_goes_on(tmp_path, mode, tiny_gpt_args):
+    """Rank 0 cannot make the save's directory at 2 (begin) and cannot finish the commit at 6
+    (the disk full as it writes the rank map): each time every rank raises the same error,
+    naming rank 0, through one broadcast (no rank is left waiting in a barrier); nothing is
+    committed and training goes on, and 4 and 8 commit. Each rank map carries its own save id."""
+    log = tmp_path / "log.jsonl"
+    base = tiny_gpt_args + COMMON + mode + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                                            "--train-iters", "8", "--log-json", str(log)]
+    run_ranks(run_trainer, 2, args=(base, None, None, None, {"begin": 2, "commit": 6}), timeout=200)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    failed = [r["error"] for r in records if r["type"] == "event" and r["event"] == "checkpoint_failed"]
+    assert len(failed) == 2, failed
+    assert re.fullmatch(r"checkpoint of iteration 2 not begun: rank 0: PermissionError: \[Errno 13\] Permission denied",
+                        failed[0]), failed
+    assert re.fullmatch(r"checkpoint \S+/iter_0000006\.[0-9a-f]{8}-[0-9a-f]{4}\.tmp not committed: rank 0: OSError: "
+                        r"\[Errno 28\] No space left on device", failed[1]), failed
+    assert committed_checkpoints(tmp_path / "ckpt") == [4, 8] and (tmp_path / "ckpt" / "latest").read_text() == "8\n"
+    ids = [Manifest.read(tmp_path / "ckpt" / f"iter_000000{i}").save_id for i in (4, 8)]
+    assert all(re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}", i) for i in ids) and ids[0] != ids[1], ids
 
 
 def test_save_schedule_saves_by_iteration_and_by_wall_clock():

@@ -149,10 +149,13 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
 
 
 def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
-                unwritable_rank_from: int | None = None, slow_host_copy: float | None = None) -> dict:
+                unwritable_rank_from: int | None = None, slow_host_copy: float | None = None,
+                rank0_fails: dict[str, int] | None = None) -> dict:
     """Train (with whatever --save/--load flags) and report losses, the loaded iteration and the
     global tensors this rank holds (model and optimizer state, by key and offset).
-    ``slow_host_copy``: an async save's host copy starts only after this many seconds."""
+    ``slow_host_copy``: an async save's host copy starts only after this many seconds.
+    ``rank0_fails``: rank 0's part of the save's ``begin`` or ``commit`` raises an OSError at
+    the iteration given for it (the save directory unwritable, the disk full)."""
     import builtins
     import os
     import signal
@@ -164,6 +167,7 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from higgs_megatron.checkpoint import async_save
+    from higgs_megatron.checkpoint import save as save_module
     from higgs_megatron.checkpoint.state import sharded_training_state
     from higgs_megatron.training.arguments import parse_args
     from higgs_megatron.training.launch import training_environment
@@ -177,23 +181,32 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
 
     args = parse_args(argv)
     original_save = dist_checkpointing.save
+    original_commit = save_module.commit
 
-    def dying_save(state, directory, *a, **k):
-        result = original_save(state, directory, *a, **k)
-        if dist.get_rank() == 1 and state["iteration"] == kill_rank_during_save_at and result is None:
-            os.kill(os.getpid(), signal.SIGKILL)  # files written, nothing hashed or committed
-        return result
+    def dying_commit(pending, *a, **k):
+        if dist.get_rank() == 1 and pending.iteration == kill_rank_during_save_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # files written and hashed, nothing committed
+        return original_commit(pending, *a, **k)
 
     original_write = FileSystemWriterAsync.write_preloaded_data
     original_write_attr = vars(FileSystemWriterAsync)["write_preloaded_data"]  # the staticmethod itself
 
     def dying_write(transform_list, index, bucket, *a, **k):
         """--async-checkpoint: the rank dies as its writer thread begins the file."""
-        if dist.get_rank() == 1 and f"iter_{kill_rank_during_save_at:07d}.tmp" in str(bucket[0]):
+        if dist.get_rank() == 1 and f"iter_{kill_rank_during_save_at:07d}." in str(bucket[0]):
             os.kill(os.getpid(), signal.SIGKILL)
         return original_write(transform_list, index, bucket, *a, **k)
 
     trainer_box = {}
+    original_leftovers, original_commit_files = save_module.remove_leftovers, save_module.commit_files
+
+    def failing(step: str, original, error: OSError):
+        def fail(*a, **k):  # the save's iteration: the commit's own (an async one commits later), else now
+            iteration = a[0].iteration if step == "commit" else trainer_box["trainer"].iteration
+            if (rank0_fails or {}).get(step) == iteration:
+                raise error
+            return original(*a, **k)
+        return fail
 
     def unwritable_open(path, mode="r", *a, **k):
         trainer = trainer_box.get("trainer")
@@ -209,15 +222,16 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
             async_save._host_copies = slow
         if kill_rank_during_save_at is not None and args.async_checkpoint:
             FileSystemWriterAsync.write_preloaded_data = staticmethod(dying_write)
-        dist_checkpointing.save = dying_save
+        elif kill_rank_during_save_at is not None:
+            save_module.commit = dying_commit
+        save_module.remove_leftovers = failing("begin", original_leftovers, PermissionError(13, "Permission denied"))
+        save_module.commit_files = failing("commit", original_commit_files, OSError(28, "No space left on device"))
         if unwritable_rank_from is not None:
             # From that iteration on, this rank's shard files cannot be opened for writing, as on a
             # read-only or full file system (the writer processes fork from here and inherit it).
             filesystem_async.open = unwritable_open
         with training_environment(args):
-            trainer = Trainer(args)
-            if unwritable_rank_from is not None:
-                trainer_box["trainer"] = trainer
+            trainer = trainer_box["trainer"] = Trainer(args)
             start = trainer.iteration
             resident_after_saves = []
             if trainer.runtime.memory is not None:  # the optimizer state still on the device once each save returns
@@ -234,6 +248,8 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
     finally:
         async_save._host_copies = original_host_copies
         dist_checkpointing.save = original_save
+        save_module.commit = original_commit
+        save_module.remove_leftovers, save_module.commit_files = original_leftovers, original_commit_files
         FileSystemWriterAsync.write_preloaded_data = original_write_attr
         if had_open:
             filesystem_async.open = original_open
