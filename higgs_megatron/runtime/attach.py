@@ -64,7 +64,7 @@ class Runtime:
         self.optimizer = optimizer
         stability = config.stability
         self.resilience = Resilience(stability.higgs_step_timeout, stability.restart_after, list(stability.faults),
-                                     events, model_chunks, optimizer)
+                                     events, model_chunks, optimizer, stability.higgs_max_alignments_in_a_row)
         self.saves = SaveSchedule(config.checkpoint.save_interval, config.checkpoint.checkpoint_interval)
         self.memory = self._memory()
         self._watched = False

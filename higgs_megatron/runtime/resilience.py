@@ -12,7 +12,8 @@ Per attempt of iteration i (``Trainer.train_step``):
    vote set here): if any rank gave its sync up, every rank drops the step, rebuilds the
    data-parallel groups and runs iteration i again on the same data (``realigned``). That is
    a progress alignment: an event with its cause and the time it cost, and a warning when
-   they come more often than every 10 minutes.
+   they come more often than every 10 minutes. After ``--higgs-max-alignments-in-a-row``
+   of them with no step kept between, every rank exits as in 4.
 4. A rank that waits ``--higgs-restart-timeout`` for the vote, or that the watchdog sees stuck
    that long, logs why and exits with status 75 (``regroup.RESTART_EXIT_CODE``), so that
    ``torchrun --max-restarts`` restarts the job from its latest checkpoint.
@@ -34,6 +35,7 @@ from ..ddp import HiggsDDP
 from ..logs import get_logger
 from ..stability.alignment import AlignmentLog, StepDecision, StepVote, Verdict, VoteTimeout
 from ..stability.faults import Fault, FaultInjector, exit_at_once
+from ..stability.flags import DEFAULT_ALIGNMENTS_IN_A_ROW
 from ..stability.progress import ProgressBoard, Watchdog, job_store
 from ..stability.regroup import RESTART_EXIT_CODE, GroupsLost, kill_stuck_on_this_host, publish_process
 from .metrics import MetricsLogger
@@ -46,9 +48,10 @@ class Resilience:
     _instances = 0
 
     def __init__(self, step_timeout: float | None, restart_timeout: float | None, faults: list[Fault],
-                 log: MetricsLogger, model: list, optimizer) -> None:
-        """``step_timeout``, ``restart_timeout``: ``--higgs-step-timeout`` and
-        ``--higgs-restart-timeout`` (``stability.flags``); ``faults``: the parsed ``--inject-fault``."""
+                 log: MetricsLogger, model: list, optimizer, max_in_a_row: int = DEFAULT_ALIGNMENTS_IN_A_ROW) -> None:
+        """``step_timeout``, ``restart_timeout``, ``max_in_a_row``: ``--higgs-step-timeout``,
+        ``--higgs-restart-timeout`` and ``--higgs-max-alignments-in-a-row`` (``stability.flags``);
+        ``faults``: the parsed ``--inject-fault``."""
         self.log = log
         self.model = model
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -56,6 +59,7 @@ class Resilience:
         self.restart_timeout = restart_timeout
         self.injector = FaultInjector(faults, self.rank)
         self.alignments = AlignmentLog()
+        self.max_in_a_row = max_in_a_row
         self.board = self.watchdog = self.store = None
         self.attempt_started = 0.0
         if self.timeout is None:
@@ -143,6 +147,8 @@ class Resilience:
         """True when every rank dropped the step because a sync was given up on (logged here):
         the iteration runs again."""
         if verdict is None or not verdict.sync_failed:
+            if verdict is None or verdict.keep:
+                self.alignments.step_kept()
             return False
         lost = time.monotonic() - self.attempt_started
         frequent = self.alignments.record(verdict.cause, lost)
@@ -155,6 +161,11 @@ class Resilience:
             self.log.event("alignments_frequent", " WARNING: progress alignments more often than every "
                            f"{self.alignments.too_often / 60:.0f} minutes: the cluster needs attention "
                            "(links, NICs, memory pressure)", iteration=iteration)
+        if self.alignments.in_a_row >= self.max_in_a_row:  # every rank saw the same verdicts: all leave here
+            self.restart(f"{self.alignments.in_a_row} progress alignments in a row at iteration {iteration}, no step "
+                         f"kept between them (--higgs-max-alignments-in-a-row {self.max_in_a_row}; the last: "
+                         f"{verdict.cause}): a rank misses --higgs-step-timeout {self.timeout:g}s on every attempt, "
+                         "or the timeout is shorter than the sync itself")
         return True
 
     def close(self, iteration: int) -> None:

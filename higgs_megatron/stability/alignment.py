@@ -19,7 +19,9 @@ gradients is a skipped iteration, as Megatron counts them: the same data would g
 same NaN. The attempt counter only grows, so store keys never repeat within a job attempt.
 
 ``AlignmentLog`` keeps what the operator needs: how many alignments, their causes and the
-time each cost, and whether they come more often than once per ``too_often`` seconds.
+time each cost, whether they come more often than once per ``too_often`` seconds, and how many
+came in a row, with no step kept between them: a rank that misses the timeout on every attempt
+would otherwise realign forever (``Resilience`` restarts the job after a bound).
 """
 
 from __future__ import annotations
@@ -112,13 +114,18 @@ class StepDecision:
 class AlignmentLog:
     too_often: float = 600.0
     events: list[tuple[float, str, float]] = field(default_factory=list)  # (when, cause, seconds lost)
+    in_a_row: int = 0  # alignments since the last step kept
 
     def record(self, cause: str, seconds_lost: float) -> bool:
         """Record one alignment; True when the previous one was less than ``too_often`` ago."""
         now = time.monotonic()
         frequent = bool(self.events) and now - self.events[-1][0] < self.too_often
         self.events.append((now, cause, seconds_lost))
+        self.in_a_row += 1
         return frequent
+
+    def step_kept(self) -> None:
+        self.in_a_row = 0
 
     @property
     def count(self) -> int:

@@ -15,6 +15,7 @@ from ..field_flags import flag_metadata as _flag
 from .faults import Fault, FaultSpecError, parse_fault
 
 DEFAULT_RESTART_TIMEOUT = 300.0
+DEFAULT_ALIGNMENTS_IN_A_ROW = 3
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class StabilityConfig:
         "step's vote, or stuck anywhere as the watchdog sees it) exits with status 75, so that torchrun "
         f"--max-restarts restarts the job (default: the longer of {DEFAULT_RESTART_TIMEOUT:g} s and two step "
         "timeouts)", type=float, metavar="SECONDS"))
+    higgs_max_alignments_in_a_row: int = field(default=DEFAULT_ALIGNMENTS_IN_A_ROW, metadata=_flag(
+        "--higgs-max-alignments-in-a-row", "with --higgs-step-timeout: after this many progress alignments with no "
+        "step kept between them (a rank that misses the step timeout on every attempt, or a timeout shorter than "
+        "the sync itself), every rank exits with status 75 so that torchrun --max-restarts restarts the job",
+        type=int, metavar="K"))
     inject_fault: list[str] | None = field(default=None, metadata=_flag(
         "--inject-fault", "inject a fault (hang, slow, freeze, sigterm, crash, nan) on a rank at an iteration; "
         "repeatable", action="append", metavar="KIND@RANK:ITER[:SECONDS]"))
@@ -42,6 +48,9 @@ class StabilityConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.higgs_max_alignments_in_a_row < 1:
+            raise ValueError("--higgs-max-alignments-in-a-row must be at least 1, got "
+                             f"{self.higgs_max_alignments_in_a_row}")
         if self.higgs_restart_timeout is not None and self.higgs_step_timeout is not None \
                 and self.higgs_restart_timeout <= self.higgs_step_timeout:
             raise ValueError(f"--higgs-restart-timeout {self.higgs_restart_timeout:g} must be longer than "
@@ -58,8 +67,8 @@ class StabilityConfig:
 
 
 def add_stability_args(group: argparse._ActionsContainer) -> None:
-    """``--higgs-step-timeout``, ``--higgs-restart-timeout`` and ``--inject-fault``, one per
-    ``StabilityConfig`` field."""
+    """``--higgs-step-timeout``, ``--higgs-restart-timeout``, ``--higgs-max-alignments-in-a-row``
+    and ``--inject-fault``, one per ``StabilityConfig`` field."""
     add_field_flags(group, StabilityConfig)
 
 

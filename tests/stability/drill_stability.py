@@ -186,6 +186,29 @@ def test_a_rank_that_never_returns_ends_in_a_restart_and_the_job_finishes(tmp_pa
     assert max(e["iteration"] for e in events if e["event"] == "replicas_identical") == 8
 
 
+def test_a_straggler_on_every_attempt_ends_in_a_restart_after_k_alignments(tmp_path, tiny_gpt_args):
+    """Rank 1 stalls 3 s past a 2 s step timeout on every attempt of iteration 3 (two hangs
+    there), under --higgs-max-alignments-in-a-row 2 and torchrun --max-restarts 1: two
+    alignments in a row, then every rank says why and exits with status 75, instead of
+    realigning forever; the restarted job resumes from 2 and finishes."""
+    save, log = tmp_path / "ckpt", tmp_path / "straggler.jsonl"
+    argv = _dense_auto(tiny_gpt_args, tmp_path, "straggler", iters=4) + [
+        "--save", str(save), "--save-interval", "2", "--auto-resume", "--higgs-step-timeout", "2",
+        "--higgs-max-alignments-in-a-row", "2", "--inject-fault", "hang@1:3:3", "--inject-fault", "hang@1:3:3"]
+    argv[argv.index("--log-json") + 1] = str(log)
+    proc = run_pretrain_script(argv, nproc=2, timeout=240, extra_launcher_args=["--max-restarts", "1"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "(exitcode: 75)" in proc.stderr, proc.stderr[-4000:]
+    events = [r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "event"]
+    assert [e["count"] for e in events if e["event"] == "progress_alignment"] == [1, 2]
+    restart = [e["reason"] for e in events if e["event"] == "restart_needed"]
+    assert len(restart) == 1 and restart[0].startswith(
+        "2 progress alignments in a row at iteration 3, no step kept between them "
+        "(--higgs-max-alignments-in-a-row 2; the last: rank "), restart
+    assert [e["iteration"] for e in events if e["event"] == "checkpoint_loaded"] == [2]
+    assert [e["iteration"] for e in events if e["event"] == "checkpoint_committed"] == [2, 4]
+
+
 def test_sigterm_with_the_exit_signal_handler_saves_exits_zero_and_resumes_bitwise(tmp_path, tiny_gpt_args):
     """sigterm@1:3 with --exit-signal-handler under torchrun: every rank learns of rank 1's signal
     at the end of iteration 3, a checkpoint of iteration 3 is committed, and every rank exits
