@@ -6,8 +6,9 @@ inf (a device flag, read once here), and why its gradient sync cannot be trusted
 cannot (a wait ran out, a collective failed). The ranks agree through one of two channels:
 
 * with ``--higgs-step-timeout``, the job's store (``StepVote``), which no training process
-  group can block: each rank writes ``vote/<attempt>/<rank>`` and waits, bounded, for every
-  rank's; a rank that does not vote in time is named in ``VoteTimeout``;
+  group can block: each rank counts itself in, with its reason to drop the step if it has
+  one, and waits, bounded, for the count to complete (O(N) store requests per step in all);
+  a rank that does not vote in time is named in ``VoteTimeout``;
 * otherwise one MAX all-reduce over the default group: no sync can time out then, so the
   non-finite flag is the only input.
 
@@ -60,33 +61,55 @@ class Verdict:
 
 
 class StepVote:
-    """The store channel of ``StepDecision``; ``timeout`` bounds the wait for the other ranks."""
+    """The store channel of ``StepDecision``; ``timeout`` bounds the wait for the other ranks.
+
+    O(N) store requests per step in all, whatever the world size N: each rank adds itself to
+    the attempt's counter and marks its presence; only a rank with a reason to drop the step
+    appends it, to one key, and counts itself as troubled first. The rank whose addition
+    completes the count publishes the troubled count (``done``) and deletes the previous
+    attempt's keys, which every rank has read by then (it voted in this attempt after reading
+    that verdict). Each rank waits for ``done`` and reads it; the reasons only when some rank
+    had one. A rank's presence key is read only after a timeout, to name who did not vote."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float = 1800.0) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout = timeout
         self.attempt = 0
 
+    @staticmethod
+    def keys(attempt: int, world_size: int) -> list[str]:
+        """Every key an attempt writes."""
+        prefix = f"vote/{attempt}/"
+        return [prefix + name for name in ("count", "troubled", "reasons", "done")] + \
+               [f"{prefix}rank/{rank}" for rank in range(world_size)]
+
     def decide(self, nonfinite: bool, sync_failure: str | None) -> Verdict:
         self.attempt += 1
-        prefix = f"vote/{self.attempt}/"
-        self.store.set(prefix + str(self.rank), json.dumps({"nonfinite": nonfinite, "sync": sync_failure}))
-        keys = [prefix + str(rank) for rank in range(self.world_size)]
+        prefix, store = f"vote/{self.attempt}/", self.store
+        if nonfinite or sync_failure:
+            store.append(prefix + "reasons", json.dumps({"rank": self.rank, "nonfinite": nonfinite,
+                                                         "sync": sync_failure}) + "\n")
+            store.add(prefix + "troubled", 1)
+        store.set(f"{prefix}rank/{self.rank}", "")
+        if store.add(prefix + "count", 1) == self.world_size:
+            store.set(prefix + "done", str(store.add(prefix + "troubled", 0)))
+            for key in self.keys(self.attempt - 1, self.world_size) if self.attempt > 1 else ():
+                store.delete_key(key)
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
+            store.wait([prefix + "done"], timedelta(seconds=self.timeout))
         except RuntimeError as error:  # the store's own timeout error
-            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+            missing = [rank for rank in range(self.world_size) if not store.check([f"{prefix}rank/{rank}"])]
             raise VoteTimeout(f"rank(s) {missing} did not vote on step attempt {self.attempt} within "
                               f"{self.timeout:g}s (--higgs-restart-timeout)", missing) from error
+        if store.get(prefix + "done") == b"0":
+            return Verdict({})
         dropped, sync_failed = {}, False
-        for rank, key in enumerate(keys):
-            vote = json.loads(self.store.get(key))
-            reasons = ([f"rank {rank}: {NONFINITE}"] if vote["nonfinite"] else []) + \
-                      ([vote["sync"]] if vote["sync"] else [])
+        for line in sorted(store.get(prefix + "reasons").decode().splitlines()):
+            vote = json.loads(line)
             sync_failed |= bool(vote["sync"])
-            if reasons:
-                dropped[rank] = "; ".join(reasons)
-        return Verdict(dropped, sync_failed)
+            dropped[vote["rank"]] = "; ".join(([f"rank {vote['rank']}: {NONFINITE}"] if vote["nonfinite"] else [])
+                                              + ([vote["sync"]] if vote["sync"] else []))
+        return Verdict(dict(sorted(dropped.items())), sync_failed)
 
 
 class StepDecision:

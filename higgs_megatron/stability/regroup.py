@@ -111,6 +111,34 @@ def _drain(works: Iterable[Any], timeout: float) -> None:
             # Failed (an aborted NCCL communicator, or a peer's abort): it writes nothing more.
 
 
+def _every_ranks_groups(mine: set[tuple[tuple[int, ...], str]], store: dist.Store, attempt: int,
+                        timeout: float) -> list[tuple[tuple[int, ...], str]]:
+    """The union of every rank's groups (rank list, backend), in one order, through the store
+    in O(N) requests in all: a group is appended once, by its lowest rank; each rank counts
+    itself in; the rank that completes the count publishes ``done`` and deletes the previous
+    exchange's keys (read by every rank before it took part in this one); each rank reads the
+    groups once."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"regroup/{attempt}/"
+    own = [[list(ranks), name] for ranks, name in sorted(mine) if min(ranks) == rank]
+    if own:
+        store.append(prefix + "groups", json.dumps(own) + "\n")
+    if store.add(prefix + "count", 1) == world:
+        store.set(prefix + "done", "")
+        if store.check(["regroup/previous"]):
+            previous = store.get("regroup/previous").decode()
+            for name in ("groups", "count", "done"):
+                store.delete_key(f"regroup/{previous}/{name}")
+        store.set("regroup/previous", str(attempt))
+    try:
+        store.wait([prefix + "done"], timedelta(seconds=timeout))
+    except RuntimeError as error:  # the store's own timeout error
+        raise GroupsLost(f"not every rank reached the rebuild of the data-parallel groups within {timeout:g}s") \
+            from error
+    lines = store.get(prefix + "groups").decode().splitlines() if store.check([prefix + "groups"]) else []
+    return sorted({(tuple(ranks), name) for line in lines for ranks, name in json.loads(line)})
+
+
 def rebuild_process_groups(chunks: list, optimizers: list, store: dist.Store, attempt: int,
                            timeout: float) -> float:
     """Steps 1-4 of the module docstring for the ``HiggsDDP`` chunks ``chunks`` and the Megatron
@@ -122,18 +150,13 @@ def rebuild_process_groups(chunks: list, optimizers: list, store: dist.Store, at
     old = {id(group): group for chunk in chunks for group in chunk.process_groups()}
     ranks_of = {key: tuple(dist.get_process_group_ranks(group)) for key, group in old.items()}
     backend = {key: dist.get_backend(group) for key, group in old.items()}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    prefix = f"regroup/{attempt}/"
-    store.set(prefix + str(rank), json.dumps(sorted({(ranks_of[key], backend[key]) for key in old})))
-    keys = [prefix + str(r) for r in range(world)]
-    store.wait(keys, timedelta(seconds=timeout))
-    wanted = sorted({(tuple(ranks), name) for key in keys for ranks, name in json.loads(store.get(key))})
+    wanted = _every_ranks_groups({(ranks_of[key], backend[key]) for key in old}, store, attempt, timeout)
     for group in old.values():
         try:
             distributed_c10d._abort_process_group(group)
         except ValueError:  # already dropped from the registry
             pass
-    new = {}
+    new, rank = {}, dist.get_rank()
     for ranks, name in wanted:  # every rank creates every group, in one order
         group = dist.new_group(list(ranks), backend=name)
         if rank in ranks:

@@ -53,3 +53,79 @@ def test_a_rank_that_does_not_vote_is_named():
     for t in threads:
         t.join()
     assert errors == ["rank(s) [1] did not vote on step attempt 1 within 0.5s (--higgs-restart-timeout)"] * 2
+
+
+class CountingStore(dist.Store):
+    """A store that counts the requests made to it (over a HashStore)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.requests, self.lock = dist.HashStore(), 0, threading.Lock()
+
+    def _count(self) -> None:
+        with self.lock:
+            self.requests += 1
+
+    def set(self, key, value):
+        self._count()
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        self._count()
+        return self.inner.get(key)
+
+    def add(self, key, value):
+        self._count()
+        return self.inner.add(key, value)
+
+    def append(self, key, value):
+        self._count()
+        return self.inner.append(key, value)
+
+    def check(self, keys):
+        self._count()
+        return self.inner.check(keys)
+
+    def wait(self, keys, timeout=None):
+        self._count()
+        return self.inner.wait(keys, timeout) if timeout is not None else self.inner.wait(keys)
+
+    def delete_key(self, key):
+        self._count()
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+
+def test_1024_voters_cost_a_few_requests_each_and_leave_one_attempts_keys():
+    """1,024 voters (threads) on one store, three attempts, one rank dropping the second: each
+    attempt costs at most six requests per voter and a few more in all (not one per pair of
+    voters: a million here), and the keys left are the last attempt's only. Prints the
+    decision's time per attempt."""
+    import time
+
+    world = 1024
+    store = CountingStore()
+    votes = [StepVote(store, rank, world, timeout=60) for rank in range(world)]
+    for attempt, troubled in enumerate((None, 517, None), start=1):
+        results = [None] * world
+
+        def vote(rank):
+            results[rank] = votes[rank].decide(False, "rank 517: sync timed out" if rank == troubled else None)
+
+        before, started = store.requests, time.perf_counter()
+        threads = [threading.Thread(target=vote, args=(rank,)) for rank in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - started
+        expected = Verdict({517: "rank 517: sync timed out"}, sync_failed=True) if troubled else Verdict({})
+        assert results == [expected] * world, attempt
+        requests = store.requests - before
+        print(f"attempt {attempt}: {world} voters, {requests} store requests ({requests / world:.2f} per voter), "
+              f"decided in {seconds:.2f}s; {store.num_keys()} keys in the store")
+        assert requests <= 6 * world + 8, requests
+        assert store.num_keys() <= world + 4  # this attempt's: the previous one's were deleted
+    assert all(not store.inner.check([key]) for key in StepVote.keys(2, world))
