@@ -62,40 +62,25 @@ class CountingStore(dist.Store):
         super().__init__()
         self.inner, self.requests, self.lock = dist.HashStore(), 0, threading.Lock()
 
-    def _count(self) -> None:
+    def wait(self, keys, timeout=None):
         with self.lock:
             self.requests += 1
-
-    def set(self, key, value):
-        self._count()
-        return self.inner.set(key, value)
-
-    def get(self, key):
-        self._count()
-        return self.inner.get(key)
-
-    def add(self, key, value):
-        self._count()
-        return self.inner.add(key, value)
-
-    def append(self, key, value):
-        self._count()
-        return self.inner.append(key, value)
-
-    def check(self, keys):
-        self._count()
-        return self.inner.check(keys)
-
-    def wait(self, keys, timeout=None):
-        self._count()
         return self.inner.wait(keys, timeout) if timeout is not None else self.inner.wait(keys)
-
-    def delete_key(self, key):
-        self._count()
-        return self.inner.delete_key(key)
 
     def num_keys(self):
         return self.inner.num_keys()
+
+
+def _counted(name: str):
+    def request(self, *args):
+        with self.lock:
+            self.requests += 1
+        return getattr(self.inner, name)(*args)
+    return request
+
+
+for _name in ("set", "get", "add", "append", "check", "delete_key"):
+    setattr(CountingStore, _name, _counted(_name))
 
 
 def test_1024_voters_cost_a_few_requests_each_and_leave_one_attempts_keys():
