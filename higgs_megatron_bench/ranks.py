@@ -132,20 +132,48 @@ def _failures(queue, failed: dict[int, str], grace: float = 3.0) -> str:
     return "\n".join(f"rank {r} failed:\n{failed[r]}" for r in order)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux's /proc)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return [found for child in children for found in (child, *_descendants(child))]
+
+
 def run_pretrain_script(argv: Sequence[str], nproc: int, timeout: float = 300.0,
                         env: dict[str, str] | None = None,
                         script: Path = PRETRAIN_SCRIPT,
-                        extra_launcher_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
+                        extra_launcher_args: Sequence[str] = (),
+                        signal_launcher_when: Callable[[], bool] | None = None,
+                        launcher_signal: int = signal.SIGTERM,
+                        signal_every_process: bool = False) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node N [LAUNCHER ARGS] examples/pretrain_gpt.py ARGV``;
-    output captured."""
+    output captured. ``signal_launcher_when``: polled while the job runs; once it is true,
+    ``launcher_signal`` goes to torchrun itself (not its workers), as a scheduler sends it;
+    with ``signal_every_process`` to torchrun and every process under it (as Slurm's
+    ``--signal`` reaches every process of a job step), torchrun started with that signal
+    ignored (as ``scripts/megatron_lm_multinode.sh`` starts it)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *extra_launcher_args, str(script), *argv]
     # A session of its own: on a timeout the launcher and every rank (a stopped one included) go.
+    ignored = launcher_signal if signal_every_process else None
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=REPO_ROOT,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=None if ignored is None else lambda: signal.signal(ignored, signal.SIG_IGN))
+    deadline = time.monotonic() + timeout
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        while True:
+            try:
+                stdout, stderr = proc.communicate(timeout=0.2 if signal_launcher_when else timeout)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() > deadline:
+                    raise
+                if signal_launcher_when is not None and signal_launcher_when():
+                    for pid in [proc.pid, *(_descendants(proc.pid) if signal_every_process else ())]:
+                        os.kill(pid, launcher_signal)
+                    signal_launcher_when = None
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()

@@ -8,6 +8,8 @@
 #
 # MEGATRON_LM_PATH: a checkout of https://github.com/NVIDIA/Megatron-LM at tag core_v0.16.1, needed
 # with megatron-core 0.16.1; with 0.19 (which ships Megatron-LM's training code) optional, core_v0.19.0.
+# For a save bigger than torchrun's 30 s grace after a SIGTERM, ask Slurm for an earlier signal:
+#   sbatch --signal=USR1@300 ... scripts/megatron_lm_multinode.sh ... --exit-signal-handler --exit-signal SIGUSR1
 # Everything after the script name goes to pretrain_gpt.py, e.g.
 #   --use-higgs --higgs-compression-ratio 0.01 --save /ckpt --load /ckpt --async-checkpoint ...
 set -euo pipefail
@@ -23,6 +25,10 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$(python -c 'import torch; print(max(1, torch.c
 PYTHON=${PYTHON:-python}
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-LM's requirement for overlapping TP communication
+# Slurm's --signal=USR1@LEAD reaches every process of the step, torchrun included, whose default
+# for SIGUSR1 is to die (taking the step down mid-save): torchrun ignores it, and the ranks, given
+# --exit-signal-handler --exit-signal SIGUSR1, save and exit 0 before the time limit's SIGTERM.
+trap '' USR1
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --nproc-per-node "$NPROC_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
     "$here/patches/run_pretrain_gpt.py" ${MEGATRON_LM_PATH:+--megatron-lm-path "$MEGATRON_LM_PATH"} "$@"

@@ -2,10 +2,12 @@
 multi-process runs over gloo."""
 
 import json
+import signal
 
 import pytest
 import torch
 
+from higgs_megatron.checkpoint.manifest import committed_checkpoints
 from higgs_megatron_bench.ranks import run_pretrain_script, run_ranks
 from tests.workers.common import run_trainer, train_variants
 
@@ -234,6 +236,54 @@ def test_sigterm_with_the_exit_signal_handler_saves_exits_zero_and_resumes_bitwi
         for key in a["final"]:
             for (_, _, piece_a), (_, _, piece_b) in zip(a["final"][key], b["final"][key]):
                 assert torch.equal(piece_a, piece_b), key
+
+
+EXIT_RECORDED = """import os, sys
+from higgs_megatron.training.launch import main
+code = main(sys.argv[1:])
+with open(os.path.join(os.environ["EXIT_DIR"], "exit-" + os.environ["RANK"]), "w") as f:
+    f.write(str(code))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("delivery", ["sigterm-to-torchrun", "usr1-to-every-process"])
+def test_a_scheduler_signal_saves_and_every_worker_exits_zero(tmp_path, tiny_gpt_args, delivery):
+    """sigterm-to-torchrun: what Slurm's scancel and most schedulers do, SIGTERM to torchrun, not
+    to a worker. torchrun passes it on to its workers; with --exit-signal-handler every rank
+    saves at the next iteration boundary and returns 0 (recorded by the script around the
+    pretrain script) inside torchrun's 30 s grace period, and torchrun reports the signal.
+    usr1-to-every-process: Slurm's ``--signal=USR1@LEAD`` reaches every process of the job step,
+    LEAD seconds before the time limit's SIGTERM, for saves too big for a grace period; torchrun
+    ignores it (``scripts/megatron_lm_multinode.sh`` starts it so), the workers act on it under
+    ``--exit-signal SIGUSR1``, and torchrun exits 0 once they have. Either way the checkpoint is
+    committed, and the only one."""
+    save, log = tmp_path / "ckpt", tmp_path / "signal.jsonl"
+    script = tmp_path / "exit_recorded.py"
+    script.write_text(EXIT_RECORDED)
+    usr1 = delivery.startswith("usr1")
+    argv = _base(tiny_gpt_args, tmp_path, "signal", iters=100000) + [
+        "--save", str(save), "--save-interval", "100000", "--exit-signal-handler", "--log-interval", "1",
+        *(["--exit-signal", "SIGUSR1"] if usr1 else [])]
+    argv[argv.index("--log-json") + 1] = str(log)
+
+    def training() -> bool:
+        return log.exists() and log.read_text().count('"type": "iteration"') >= 2
+
+    proc = run_pretrain_script(argv, nproc=2, timeout=240, script=script, env={"EXIT_DIR": str(tmp_path)},
+                               signal_launcher_when=training, launcher_signal=signal.SIGUSR1 if usr1 else signal.SIGTERM,
+                               signal_every_process=usr1)
+    if usr1:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    else:
+        assert proc.returncode != 0 and "SIGTERM" in proc.stderr, proc.stderr[-4000:]  # torchrun reports it
+    assert [(tmp_path / f"exit-{rank}").read_text() for rank in (0, 1)] == ["0", "0"], proc.stderr[-4000:]
+    events = [r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "event"]
+    committed = [e["iteration"] for e in events if e["event"] == "checkpoint_committed"]
+    assert len(committed) == 1 and committed_checkpoints(save) == committed, events
+    assert (save / "latest").read_text() == f"{committed[0]}\n"
+    assert [e["reason"] for e in events if e["event"] == "exit_requested"] == [
+        f"{'SIGUSR1' if usr1 else 'SIGTERM'} received"]
 
 
 def test_exit_interval_and_duration_end_the_run_with_a_checkpoint(tmp_path, tiny_gpt_args):
