@@ -5,8 +5,12 @@ reference Megatron holds to an old group must then name the new one. megatron-co
 as plain attributes: module globals of ``parallel_state`` (0.19 adds aliases of the DP groups
 there, ``..._WITH_GTP_REMAT``, which are the same objects and so are replaced with them), and
 attributes of the DDP chunk, its buffers and bucket groups (``HiggsDDP.group_holders``) and
-of the Megatron optimizers. Replaced by identity: an attribute whose value *is* an old group.
-Groups held elsewhere (0.19's ``ProcessGroupCollection`` objects) are not reached.
+of the Megatron optimizers. Replaced by identity: an attribute whose value *is* an old group,
+or a list's element or a dict's value that is (``parallel_state._global_process_group_list``,
+every group Megatron made, which it destroys at the end). The model's modules also hold their
+groups in ``ProcessGroupCollection`` objects (``pg_collection``), whose attributes are replaced
+the same way, as are the distributed optimizer's own bucket groups (``per_model_bucket_groups``,
+which gather the updated parameters over the data-parallel group).
 """
 
 from __future__ import annotations
@@ -20,14 +24,28 @@ def group_holders(chunks: Iterable[Any], optimizers: Iterable[Any]) -> list[Any]
     """The objects whose attributes hold the process groups of ``chunks`` (HiggsDDP) and ``optimizers``."""
     import megatron.core.parallel_state as parallel_state
 
-    return [parallel_state] + [holder for chunk in chunks for holder in chunk.group_holders()] + list(optimizers)
+    chunks, optimizers = list(chunks), list(optimizers)
+    collections = {id(found): found for chunk in chunks for module in chunk.modules()
+                   if (found := vars(module).get("pg_collection")) is not None}
+    # The distributed optimizer's own bucket groups, for the parameters' all-gather
+    gathers = {id(group): group for optimizer in optimizers
+               for groups in (vars(optimizer).get("per_model_bucket_groups") or {}).values() for group in groups}
+    return ([parallel_state] + [holder for chunk in chunks for holder in chunk.group_holders()] + optimizers
+            + list(collections.values()) + list(gathers.values()))
 
 
 def replace_groups(holders: Iterable[Any], replacement: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]]) -> None:
     """Every attribute of ``holders`` that is an old group (``replacement``: id -> (old, new))
     now holds its new one."""
+    def swapped(value: Any) -> Any:
+        old, new = replacement.get(id(value), (None, None))
+        return new if value is old else value
+
     for holder in holders:
         for name, value in list(vars(holder).items()):
-            old, new = replacement.get(id(value), (None, None))
-            if value is old:
-                setattr(holder, name, new)
+            if isinstance(value, list):
+                value[:] = [swapped(item) for item in value]
+            elif isinstance(value, dict) and not name.startswith("__"):
+                value.update({key: swapped(item) for key, item in value.items()})
+            elif swapped(value) is not value:
+                setattr(holder, name, swapped(value))

@@ -136,6 +136,14 @@ def peer_lost(error: BaseException) -> bool:
     return any(marker in text for marker in _PEER_LOST)
 
 
+def still_pending(work: Any) -> bool:
+    """After ``work.wait(timeout)`` raised: whether the collective is still under way (the wait
+    ran out) rather than ended in an error. Read from the work itself, not from the error's
+    words, which differ by backend and release (gloo says "timed out", NCCL "timing out") and
+    share one type (a ``RuntimeError``; ``DistBackendError`` for both on NCCL)."""
+    return not work.is_completed()
+
+
 @dataclass
 class StepWaits:
     """How the collectives of one step's sync are waited for, and what gave up on them.
@@ -167,9 +175,8 @@ class StepWaits:
         except RuntimeError as error:
             if peer_lost(error):
                 raise
-            text = str(error).lower()
             self.failed = (f"rank {dist.get_rank()}: gradient sync did not complete within {self.timeout:g}s"
-                           if "timed out" in text or "timeout" in text else
+                           if still_pending(work) else
                            f"rank {dist.get_rank()}: gradient sync failed: {str(error).splitlines()[0][:200]}")
             self.abandoned.append(work)
 

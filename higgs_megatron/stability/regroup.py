@@ -14,16 +14,18 @@ drops the step on every rank (``stability.alignment``), and then every rank of t
 2. **Abort** the old groups (``torch.distributed``'s ``_abort_process_group``: NCCL frees its
    communicators; every backend drops the group from c10d's registry).
 3. **Create** a group for every distinct rank list of the old groups in the whole job, on every
-   rank, in one order (the lists are exchanged through the job's store). ``dist.new_group``
-   names each group, and so its store prefix, from c10d's group counter: always fresh.
+   rank, in one order (the lists are exchanged through the job's store), with the old group's
+   timeout, description and, on NCCL, options (its configuration, stream priority).
+   ``dist.new_group`` names each group, and so its store prefix, from c10d's group counter:
+   always fresh.
 4. **Swap**: every attribute that held an old group (the model chunks, their buffers and bucket
    groups, our node groups, the Megatron optimizers, megatron-core's ``parallel_state``) now
    holds its new group. Megatron's other groups (TP, PP, the default group) are not touched:
    no wait of ours was on them.
 
-On NCCL, ``prepare_backend`` turns off ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (as torch asks for
-``_abort_process_group``) and NCCL's heartbeat monitor: otherwise NCCL's watchdog or monitor
-tears the process down once a work has failed.
+On NCCL, ``prepare_backend`` sets NCCL's error handling to clean up only: a failed or timed-out
+work's communicator is aborted, in whatever group, and the process is left to raise, where
+the default tears it down.
 Hangs outside the data-parallel sync are bounded by the watchdog and the vote instead
 (``--higgs-restart-timeout``): the job exits with ``RESTART_EXIT_CODE`` and restarts.
 """
@@ -38,10 +40,12 @@ import time
 from datetime import timedelta
 from typing import Any, Iterable
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from ..compat.groups import group_holders, replace_groups
+from ..reduce.wire import still_pending
 from ..logs import get_logger
 
 log = get_logger(__name__)
@@ -86,18 +90,23 @@ def kill_stuck_on_this_host(store: dist.Store, ranks: Iterable[int]) -> list[int
 
 
 def prepare_backend(backend: str) -> None:
-    """Before the first NCCL group: a timed-out or failed work must raise, not end the process.
+    """Before the first NCCL group: a timed-out or failed work must raise, not end the process,
+    and every group keeps its timeout's teardown.
 
     Read in torch 2.13's ``ProcessGroupNCCL`` (not yet run on a GPU): ``WorkNCCL::wait(timeout)``
     busy-waits, and past the timeout (counted from the collective's launch) aborts that
-    communicator and raises ``DistBackendError``, whatever the settings. Two threads could still
-    end the process: the watchdog rethrows a failed work's error (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
-    1 and 3, 3 the default; 0 only logs), and the heartbeat monitor, woken by any group's timeout
-    dump, terminates the process after ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` unless
-    ``TORCH_NCCL_ENABLE_MONITORING`` is 0. A user's own setting of either is kept."""
+    communicator and raises ``DistBackendError``, whatever the settings. NCCL's watchdog acts on
+    every group's failed or timed-out work as ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says: 3 (the
+    default) and 1 end the process, 0 only logs (a hang in any other group, TP, PP, a
+    checkpoint's barrier, then waits for ever), 2 (``CleanUpOnly``) aborts that group's
+    communicator and leaves the process, whose waiting call then raises. 2 is the narrowest
+    torch offers (no per-group switch): each group keeps its timeout, and a timed-out
+    data-parallel sync leaves the process to align. ``TORCH_NCCL_DUMP_ON_TIMEOUT`` 0 keeps a
+    timeout from waking the heartbeat monitor's dump path; the monitor itself stays on, for a
+    watchdog that is stuck. A user's own setting of either is kept."""
     if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-        os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 
 def _drain(works: Iterable[Any], timeout: float) -> None:
@@ -105,14 +114,34 @@ def _drain(works: Iterable[Any], timeout: float) -> None:
         try:
             work.wait(timeout=timedelta(seconds=timeout))
         except RuntimeError as error:
-            if "timed out" in str(error).lower():
+            if still_pending(work):
                 raise GroupsLost(f"a given-up gradient collective was still pending {timeout:g}s after every rank "
                                  "voted") from error
             # Failed (an aborted NCCL communicator, or a peer's abort): it writes nothing more.
 
 
-def _every_ranks_groups(mine: set[tuple[tuple[int, ...], str]], store: dist.Store, attempt: int,
-                        timeout: float) -> list[tuple[tuple[int, ...], str]]:
+Identity = tuple[tuple[int, ...], str, float, str]  # ranks, backend, timeout in seconds, description
+
+
+def group_identity(group: dist.ProcessGroup) -> Identity:
+    """What every rank must agree on to create ``group``'s replacement: its ranks, backend,
+    timeout and description (``group_desc``: Megatron names its groups, and NCCL's logs and
+    flight recorder show the name)."""
+    backend = dist.get_backend(group)
+    options = group._get_backend(torch.device("cuda" if backend == "nccl" else "cpu")).options
+    return (tuple(dist.get_process_group_ranks(group)), backend, options._timeout.total_seconds(),
+            group.group_desc)
+
+
+def group_options(group: dist.ProcessGroup):
+    """The options ``group`` was made with, for its replacement: NCCL's (its configuration,
+    high-priority stream); None for gloo, which takes none through ``new_group``."""
+    if dist.get_backend(group) != "nccl":
+        return None
+    return group._get_backend(torch.device("cuda")).options
+
+
+def _every_ranks_groups(mine: set[Identity], store: dist.Store, attempt: int, timeout: float) -> list[Identity]:
     """The union of every rank's groups (rank list, backend), in one order, through the store
     in O(N) requests in all: a group is appended once, by its lowest rank; each rank counts
     itself in; the rank that completes the count publishes ``done`` and deletes the previous
@@ -120,7 +149,7 @@ def _every_ranks_groups(mine: set[tuple[tuple[int, ...], str]], store: dist.Stor
     groups once."""
     rank, world = dist.get_rank(), dist.get_world_size()
     prefix = f"regroup/{attempt}/"
-    own = [[list(ranks), name] for ranks, name in sorted(mine) if min(ranks) == rank]
+    own = [[list(ranks), *rest] for ranks, *rest in sorted(mine) if min(ranks) == rank]
     if own:
         store.append(prefix + "groups", json.dumps(own) + "\n")
     if store.add(prefix + "count", 1) == world:
@@ -136,7 +165,7 @@ def _every_ranks_groups(mine: set[tuple[tuple[int, ...], str]], store: dist.Stor
         raise GroupsLost(f"not every rank reached the rebuild of the data-parallel groups within {timeout:g}s") \
             from error
     lines = store.get(prefix + "groups").decode().splitlines() if store.check([prefix + "groups"]) else []
-    return sorted({(tuple(ranks), name) for line in lines for ranks, name in json.loads(line)})
+    return sorted({(tuple(ranks), *rest) for line in lines for ranks, *rest in json.loads(line)})
 
 
 def rebuild_process_groups(chunks: list, optimizers: list, store: dist.Store, attempt: int,
@@ -148,19 +177,20 @@ def rebuild_process_groups(chunks: list, optimizers: list, store: dist.Store, at
     for chunk in chunks:
         _drain(chunk.take_abandoned_works(), timeout)
     old = {id(group): group for chunk in chunks for group in chunk.process_groups()}
-    ranks_of = {key: tuple(dist.get_process_group_ranks(group)) for key, group in old.items()}
-    backend = {key: dist.get_backend(group) for key, group in old.items()}
-    wanted = _every_ranks_groups({(ranks_of[key], backend[key]) for key in old}, store, attempt, timeout)
+    identity = {key: group_identity(group) for key, group in old.items()}
+    options = {identity[key]: group_options(group) for key, group in old.items()}
+    wanted = _every_ranks_groups(set(identity.values()), store, attempt, timeout)
     for group in old.values():
         try:
             distributed_c10d._abort_process_group(group)
         except ValueError:  # already dropped from the registry
             pass
     new, rank = {}, dist.get_rank()
-    for ranks, name in wanted:  # every rank creates every group, in one order
-        group = dist.new_group(list(ranks), backend=name)
+    for ranks, name, seconds, description in wanted:  # every rank creates every group, in one order
+        made = (ranks, name, seconds, description)
+        group = dist.new_group(list(ranks), backend=name, timeout=timedelta(seconds=seconds),
+                               pg_options=options.get(made), group_desc=description)
         if rank in ranks:
-            new[(ranks, name)] = group
-    replace_groups(group_holders(chunks, optimizers), {key: (old[key], new[(ranks_of[key], backend[key])])
-                                                       for key in old})
+            new[made] = group
+    replace_groups(group_holders(chunks, optimizers), {key: (old[key], new[identity[key]]) for key in old})
     return time.monotonic() - started

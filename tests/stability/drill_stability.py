@@ -122,13 +122,17 @@ def test_a_hang_under_tp_or_pp_is_one_alignment_and_changes_nothing(tmp_path, la
     """Four ranks, DP=2 beside TP=2 or PP=2: rank 1 stalls 6 s in iteration 3. Its TP (or
     pipeline) peer waits for it in Megatron's own collectives, unbounded; the other replica's
     ranks give their gradient sync up past the 2 s timeout. One alignment on every rank, all
-    iterations run, and the parameters are the clean run's, bitwise."""
+    iterations run, and the parameters are the clean run's, bitwise. After the rebuild no
+    aborted group is reachable from the model, the optimizer or ``parallel_state``, and the
+    rebuilt ones have the old ones' descriptions and timeouts."""
     variants = {name: _base(tiny_gpt_args, tmp_path, name) + layout + ["--global-batch-size", "16"] + flags
                 for name, flags in (("clean", ["--higgs-step-timeout", "4"]),
                                     ("hang", ["--higgs-step-timeout", "2", "--inject-fault", "hang@1:3:6"]))}
     outs = run_ranks(train_variants, 4, args=(variants,), timeout=500)
     for out in outs:
         assert out["alignments"] == {"clean": 0, "hang": 1}
+        # the rebuilt groups keep their descriptions and timeouts, and no aborted one is reachable
+        assert out["groups"]["hang"] == out["groups"]["clean"] and all(live for *_, live in out["groups"]["hang"])
         for key, value in out["params"]["hang"].items():
             assert torch.equal(value, out["params"]["clean"][key]), f"differs from the clean run at {key}"
     losses = next(out["losses"] for out in outs if out["losses"]["hang"])

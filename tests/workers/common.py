@@ -36,7 +36,8 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
     from higgs_megatron.training.loop import Trainer
 
     parsed = {name: parse_args(argv) for name, argv in variants.items()}
-    out = {"coords": None, "params": {}, "losses": {}, "valid_losses": {}, "alignments": {}, "events": {}, "exits": {}}
+    out = {"coords": None, "params": {}, "losses": {}, "valid_losses": {}, "alignments": {}, "events": {}, "exits": {},
+           "groups": {}}
     with training_environment(next(iter(parsed.values()))):
         out["coords"] = coordinates()
         for name, args in parsed.items():
@@ -47,11 +48,43 @@ def train_variants(variants: dict[str, list[str]]) -> dict:
             out["valid_losses"][name] = result.valid_losses
             out["alignments"][name] = result.alignments
             out["exits"][name] = (trainer.iteration, result.exit_reason)
+            out["groups"][name] = reachable_groups(trainer)
             trainer.close()
             if args.log_json and trainer.log.is_writer:
                 with open(args.log_json) as log:
                     out["events"][name] = [r for r in map(json.loads, log) if r["type"] == "event"]
     return out
+
+
+def reachable_groups(trainer) -> list[tuple[str, float, bool]]:
+    """Every process group reachable from the trainer's model and optimizer and from
+    megatron-core's ``parallel_state`` (a walk of ``gc``'s referents, not into modules,
+    classes or functions): its description, timeout, and whether c10d still has it (an
+    aborted group does not)."""
+    import gc
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
+
+    seen, found, todo = set(), {}, [trainer.model, trainer.optimizer, vars(parallel_state)]
+    skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.Tensor)
+    while todo:
+        value = todo.pop()
+        if id(value) in seen or isinstance(value, skip):
+            continue
+        seen.add(id(value))
+        if isinstance(value, dist.ProcessGroup):
+            found[id(value)] = value
+            continue
+        todo.extend(gc.get_referents(value))
+    def timeout(group) -> float:
+        device = torch.device("cuda" if group._get_backend_name() == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout.total_seconds()
+    return sorted((group.group_desc, timeout(group), group in distributed_c10d._world.pg_map)
+                  for group in found.values())
 
 
 def train_variants_on_the_compressed_form(variants: dict[str, list[str]]) -> dict:
