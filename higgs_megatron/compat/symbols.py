@@ -80,6 +80,10 @@ MEGATRON_CORE = (
            "checkpoint.state swaps it for a reshardable layout"),
     Symbol(f"{_DISTOPT}:DistributedOptimizer.sharded_param_state_fully_reshardable",
            ("self", "model_sharded_state_dict", "is_loading", "metadata"), "checkpoint.state swaps it"),
+    Symbol("megatron.core.parallel_state:_global_process_group_list", None,
+           "compat.groups swaps a rebuilt data-parallel group into the list of every group"),
+    Symbol("megatron.core.process_groups_config:ProcessGroupCollection", None,
+           "compat.groups swaps rebuilt groups into the modules' pg_collection"),
     Symbol("megatron.core.optimizer:get_megatron_optimizer", ("config", "model_chunks"),
            "both front-ends build Megatron's optimizer through it"),
 )
