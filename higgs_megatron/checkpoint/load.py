@@ -346,10 +346,13 @@ def _agreed_manifest(path: Path) -> tuple[Manifest | None, list[str]]:
     dist.broadcast_object_list(said, src=0)
     if said[1] is not None:
         return None, [said[1]]
-    mine = (path / MANIFEST_NAME).read_bytes()
-    agree([] if hashlib.sha256(mine).hexdigest() == said[0] else
-          [f"rank {dist.get_rank()} reads other bytes than rank 0 (a stale cache of a shared filesystem?)"],
-          f"{path / MANIFEST_NAME} is not the same on every rank")
+    try:  # a rank that cannot read it says so in the agreement, rather than leave the others waiting there
+        mine = (path / MANIFEST_NAME).read_bytes()
+        problem = [] if hashlib.sha256(mine).hexdigest() == said[0] else [
+            f"rank {dist.get_rank()} reads other bytes than rank 0 (a stale cache of a shared filesystem?)"]
+    except OSError as error:
+        problem = [f"rank {dist.get_rank()} cannot read it: {error}"]
+    agree(problem, f"{path / MANIFEST_NAME} is not the same on every rank")
     manifest = Manifest.from_json(mine.decode(), str(path / MANIFEST_NAME))
     return manifest, agreed_problems(verify_files(path, manifest, dist.get_rank(), dist.get_world_size()))
 

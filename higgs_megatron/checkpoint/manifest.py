@@ -155,10 +155,13 @@ def verify_files(checkpoint_dir: Path, manifest: Manifest, rank: int, world_size
         if index % world_size != rank:
             continue
         path = checkpoint_dir / record.path
-        if not path.exists():
+        try:
+            if sha256_of(path) != record.sha256:
+                problems.append(f"{path}: SHA-256 does not match the rank map (written by rank {writer})")
+        except FileNotFoundError:
             problems.append(f"{path}: missing (written by rank {writer})")
-        elif sha256_of(path) != record.sha256:
-            problems.append(f"{path}: SHA-256 does not match the rank map (written by rank {writer})")
+        except OSError as error:  # reported like any other problem, so no rank is left waiting for this one
+            problems.append(f"{path}: unreadable ({error.strerror}; written by rank {writer})")
     return problems
 
 
