@@ -15,7 +15,14 @@ pretrain script (2 ranks, ``--save-interval``, ``--async-checkpoint``, ``--auto-
 * ``crash``: rank 1 exits; rank 0 sees the peer gone; torchrun restarts the job;
 * ``sigterm``: rank 1 is sent SIGTERM under ``--exit-signal-handler``: every rank saves at the
   end of the iteration and exits with status 0; the benchmark then starts the job again at
-  once, as a scheduler requeueing it would.
+  once, as a scheduler requeueing it would;
+* ``straggler``: rank 1 sleeps past the step timeout on every attempt of the iteration; after
+  ``--higgs-max-alignments-in-a-row`` (2 here) every rank exits with status 75 and torchrun
+  restarts the job from its latest checkpoint;
+* ``corrupt newest``: the job stops at ``--at`` (its last save there), one shard of that newest
+  checkpoint is truncated, as a power loss before a durable commit would leave it, and the job
+  is started again with ``--auto-resume``: the load falls back to the previous checkpoint
+  (event ``checkpoint_fallback``); timed from the start of that load.
 
 Per fault: seconds from the fault to the next iteration completed after the recovery (the
 alignment, or the checkpoint load of the restarted job), what of it went to the
@@ -46,8 +53,10 @@ log = get_logger("bench_recovery")
 COMMON = ["--use-higgs", "--overlap-grad-reduce", "--ddp-bucket-size", "250000", "--log-interval", "1",
           "--eval-iters", "0", "--num-threads", "1"]
 BUCKETS = {"dense": ["--higgs-sync", "dense"], "compressed": ["--higgs-sync", "sparse"]}
-FAULTS = {"hang": "hang@1:{at}:{hang:g}", "hard hang": "freeze@1:{at}", "crash": "crash@1:{at}",
-          "sigterm": "sigterm@1:{at}"}
+STRAGGLER_ALIGNMENTS = 2
+FAULTS = {"hang": ["hang@1:{at}:{hang:g}"], "hard hang": ["freeze@1:{at}"], "crash": ["crash@1:{at}"],
+          "sigterm": ["sigterm@1:{at}"], "straggler": ["hang@1:{at}:{hang:g}"] * STRAGGLER_ALIGNMENTS,
+          "corrupt newest": []}
 RANK = 1  # the logging rank: its fault events reach the JSONL before it stops or dies
 
 
@@ -67,9 +76,17 @@ def run(kind: str, buckets: str, args: argparse.Namespace, directory: Path) -> N
         "--train-iters", str(2 * args.at), "--save", str(directory / "ckpt"), "--save-interval",
         str(args.save_interval), "--async-checkpoint", "--auto-resume", "--higgs-step-timeout", f"{args.step_timeout:g}",
         "--higgs-restart-timeout", f"{args.restart_timeout:g}", "--log-json", str(directory / "log.jsonl"),
-        "--inject-fault", FAULTS[kind].format(at=args.at, hang=args.hang_seconds)]
+        "--higgs-max-alignments-in-a-row", str(STRAGGLER_ALIGNMENTS)]
+    for spec in FAULTS[kind]:
+        flags += ["--inject-fault", spec.format(at=args.at, hang=args.hang_seconds)]
     if kind == "sigterm":
         flags.append("--exit-signal-handler")
+    if kind == "corrupt newest":
+        stopped = flags + ["--exit-interval", str(args.at)]  # its last save at --at
+        status = torchrun(stopped, directory)
+        newest = directory / "ckpt" / f"iter_{args.at:07d}"
+        shard = newest / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     status = torchrun(flags, directory)
     if kind == "sigterm" and status == 0:
         status = torchrun(flags, directory)  # requeued: resumes from the checkpoint the exit saved
@@ -79,15 +96,24 @@ def run(kind: str, buckets: str, args: argparse.Namespace, directory: Path) -> N
 
 def measure(kind: str, buckets: str, log_json: Path) -> dict:
     rows = [json.loads(line) for line in log_json.read_text().splitlines()]
-    index, fault = next((i, r) for i, r in enumerate(rows) if r.get("event") == "fault_injected")
+    if kind == "corrupt newest":  # from the start of the load that falls back
+        index = next(i for i, r in enumerate(rows) if r.get("event") == "checkpoint_fallback")
+        loaded = next(r for r in rows[index:] if r.get("event") == "checkpoint_loaded")
+        fault = {"iteration": max(r["iteration"] for r in rows[:index] if r["type"] == "iteration"),
+                 "time": loaded["time"] - loaded["seconds"]}
+    else:
+        index, fault = next((i, r) for i, r in enumerate(rows) if r.get("event") == "fault_injected")
     after = rows[index + 1:]
-    aligned = next((r for r in after if r.get("event") == "progress_alignment"), None)
+    restarted = any(r.get("event") == "restart_needed" for r in after)  # a straggler's alignments end in one
+    aligned = None if restarted else next((r for r in after if r.get("event") == "progress_alignment"), None)
     loaded = next((r for r in after if r.get("event") == "checkpoint_loaded"), None)
     recovered = aligned or loaded  # the next iteration is the first one completed after it
     first = next(r for r in rows[rows.index(recovered) + 1 if recovered else index + 1:] if r["type"] == "iteration")
     # A restart redoes what was completed after the checkpoint it loads; an alignment redoes nothing.
     completed = max((r["iteration"] for r in rows[:rows.index(loaded)] if r["type"] == "iteration"), default=0) \
         if loaded else 0
+    if kind == "corrupt newest":
+        completed = fault["iteration"]
     return {
         "fault": kind, "buckets": buckets, "iteration": fault["iteration"],
         "seconds to next iteration": first["time"] - fault["time"],

@@ -156,3 +156,57 @@ def test_a_launch_holds_its_lock_while_it_lives(tmp_path):
     assert save.launch_name(tmp_path) == name  # drawn once per directory
     assert not save._ended(tmp_path, name)
     assert (tmp_path / save._LOCK.format(name)).exists()
+
+
+class Crash(Exception):
+    """The process dies here."""
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["exchange", "no-exchange"])
+def test_a_crash_at_any_step_of_a_commit_leaves_a_whole_checkpoint_to_load(tmp_path, monkeypatch, swap):
+    """A commit of iteration 4, saved again over a committed 4, after a committed 2, stopped
+    at each of its filesystem steps in turn (each fsync, rename, exchange and removal): the
+    checkpoint a load then chooses is whole (its files verify against its rank map) and is 4
+    or 2, never a partial one; with an exchange, never 2 (iteration 4 is never absent)."""
+    from higgs_megatron.checkpoint.load import choose_checkpoint
+    from higgs_megatron.checkpoint.manifest import verify_files
+
+    if not swap:
+        monkeypatch.setattr(durable, "exchange", lambda first, second: False)
+    fsync, replace, exchange, remove = os.fsync, os.replace, durable.exchange, durable.remove_tree
+    steps, crash_at = [0], [None]
+
+    def step(original):
+        def run(*args):
+            steps[0] += 1
+            if steps[0] == crash_at[0]:
+                raise Crash(f"step {steps[0]}")
+            return original(*args)
+        return run
+
+    for attempt in range(1, 100):
+        save_dir = tmp_path / f"attempt{attempt}"
+        for iteration, data in ((2, b"two"), (4, b"old four")):
+            _commit(_written(save_dir, iteration, f"old-{iteration}", {"__0_0.distcp": data}), ["__0_0.distcp"])
+        pending = _written(save_dir, 4, "abcd1234-0001", {"__0_0.distcp": b"new four", "common.pt": b"c"})
+        steps[0], crash_at[0] = 0, attempt
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "fsync", step(fsync))
+            patched.setattr(os, "replace", step(replace))
+            patched.setattr(durable, "exchange", step(exchange))
+            patched.setattr(durable, "remove_tree", step(remove))
+            patched.setattr(save, "remove_tree", step(remove))
+            try:
+                _commit(pending, ["__0_0.distcp", "common.pt"])
+                crashed = False
+            except Crash:
+                crashed = True
+        chosen, _ = choose_checkpoint(save_dir)
+        manifest = Manifest.read(chosen)
+        assert verify_files(chosen, manifest, 0, 1) == [], (attempt, chosen)
+        assert manifest.iteration in (2, 4) and (swap is False or manifest.iteration == 4), (attempt, chosen)
+        if not crashed:
+            assert manifest.save_id == "abcd1234-0001" and attempt > 8, attempt  # stopped at every step before
+            break
+    else:
+        raise AssertionError("the commit never finished")
