@@ -386,6 +386,14 @@ def validated_checkpoint(load_dir: str | Path, version: int | None, recovery_mod
                       warning="; ".join(warnings) or None, differences=differences)
 
 
+def check_reshard_plan(chosen: LoadResult, state: dict) -> None:
+    """The last step before the files are read, both front-ends (collective): for a reshard,
+    every shard ``state`` (the sharded state dict about to be loaded) needs must be tiled by
+    the saved shards (``uncovered_shards``); the same error on every rank otherwise."""
+    agree(uncovered_shards(chosen.manifest, shard_records(state, main_replica_only=False)) if chosen.resharded
+          else [], f"{chosen.path} cannot be resharded to this layout")
+
+
 @contextlib.contextmanager
 def restoring(optimizer) -> Iterator[None]:
     """Around the load of an optimizer's state, both front-ends: megatron-core 0.16.1's
@@ -410,8 +418,7 @@ def load_checkpoint(training: TrainingState, load_dir: str | Path, recovery_mode
         return None
     with restoring(training.optimizer):
         state = sharded_training_state(training, is_loading=True, per_rank=not chosen.resharded)
-        agree(uncovered_shards(chosen.manifest, shard_records(state, main_replica_only=False))
-              if chosen.resharded else [], f"{chosen.path} cannot be resharded to this layout")
+        check_reshard_plan(chosen, state)
         loaded = dist_checkpointing.load(state, str(chosen.path))
         training.model[0].module.load_state_dict(loaded["model"])
         optimizer_state = loaded["optimizer"]

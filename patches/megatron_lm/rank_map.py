@@ -47,7 +47,8 @@ import torch.distributed as dist
 from higgs_megatron.runtime.run_config import RunConfig
 from higgs_megatron.checkpoint.save import (PendingCheckpoint, commit, common_files, hash_files, shard_files,
                                             thread_results_queue)
-from higgs_megatron.checkpoint.load import agree, restoring, uncovered_shards, validated_checkpoint, vocab_record
+from higgs_megatron.checkpoint.load import (LoadResult, check_reshard_plan, restoring, validated_checkpoint,
+                                            vocab_record)
 from higgs_megatron.checkpoint.manifest import MEGATRON_LM_TRACKER, Manifest, current_layout
 from higgs_megatron.checkpoint.state import owner_written_optimizer_state, shard_records
 from higgs_megatron.logs import get_logger, log_single_rank
@@ -93,8 +94,7 @@ class RankMapHooks:
         self.args = args
         self.run = run
         self.pending: PendingRankMap | None = None
-        self.loading: Manifest | None = None   # set while Megatron-LM loads a resharded checkpoint
-        self.loading_path: Path | None = None
+        self.loading: LoadResult | None = None   # set while Megatron-LM loads a resharded checkpoint
         self.loaded: Manifest | None = None
         self.saved_iterations: set[int] = set()
 
@@ -135,8 +135,7 @@ class RankMapHooks:
         if not is_loading and self.pending is not None and not self.pending.committed:
             self.pending.shards = shard_records(state)
         elif is_loading and self.loading is not None:
-            agree(uncovered_shards(self.loading, shard_records(state, main_replica_only=False)),
-                  f"{self.loading_path} cannot be resharded to this layout")
+            check_reshard_plan(self.loading, state)
         return state
 
     # --- load -----------------------------------------------------------------------
@@ -159,7 +158,7 @@ class RankMapHooks:
         a.ckpt_step = manifest.iteration
         if hasattr(optimizer, "skip_residuals_on_load"):
             optimizer.skip_residuals_on_load = resharded
-        self.loading, self.loading_path = (manifest, path) if resharded else (None, None)
+        self.loading = chosen if resharded else None
         try:
             with restoring(optimizer):
                 result = original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)
