@@ -12,13 +12,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import hashlib
 import os
 import shutil
 from pathlib import Path
-
-_CHUNK = 1 << 22
-
 
 def fsync_dir(path: Path) -> None:
     """Make the entries of ``path`` (names created, renamed or removed in it) durable."""
@@ -27,19 +23,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def hash_and_fsync(path: Path) -> tuple[str, int]:
-    """A just-written file's SHA-256 and size, read from one handle that is then fsynced: the
-    bytes hashed are the bytes made durable (fsync flushes the file's dirty pages whatever the
-    handle's mode)."""
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-            size += len(block)
-        os.fsync(f.fileno())
-    return digest.hexdigest(), size
 
 
 def write_durably(path: Path, text: str) -> None:

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state
-
-from .durable import write_durably
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "rank_map.json"
@@ -132,18 +131,22 @@ class Manifest:
             raise CheckpointError(f"{path}: no rank map: the checkpoint was never committed")
         return cls.from_json(path.read_text(), str(path))
 
-    def write(self, checkpoint_dir: str | Path) -> None:
-        """Write atomically and durably (``durable.write_durably``)."""
-        write_durably(Path(checkpoint_dir) / MANIFEST_NAME, self.to_json())
-
-
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
-    """The SHA-256 a file record holds, read in chunks."""
+def sha256_of(path: Path, chunk: int = 1 << 22, fsync: bool = False) -> str:
+    """The SHA-256 a file record holds, read in chunks; with ``fsync``, the same handle then
+    fsynced, so that the bytes hashed are the bytes made durable (fsync flushes a file's dirty
+    pages whatever the handle's mode)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
+        if fsync:
+            os.fsync(f.fileno())
     return digest.hexdigest()
+
+
+def file_record(path: Path) -> FileRecord:
+    """A just-written file's record: hashed and fsynced from one handle."""
+    return FileRecord(path=path.name, sha256=sha256_of(path, fsync=True), bytes=path.stat().st_size)
 
 
 def verify_files(checkpoint_dir: Path, manifest: Manifest, rank: int, world_size: int) -> list[str]:

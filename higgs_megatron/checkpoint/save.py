@@ -14,7 +14,7 @@ and then call ``commit``. All ranks take part, at the same iteration:
    (``write_buckets``): its own ``__<rank>_*.distcp`` files; rank 0 also the common files. A
    write error on any rank is raised on every rank by megatron-core's result exchange.
 3. Every rank hashes and fsyncs the files it wrote, named by the writer's plan (never by a
-   listing of the directory), from one handle each (``durable.hash_and_fsync``).
+   listing of the directory), from one handle each (``manifest.file_record``).
 4. ``commit``: every rank's record (host, coordinates, files with SHA-256, shards held) and
    error, if any, are gathered on rank 0 (not on every rank: they grow with the job). Rank 0
    writes ``rank_map.json`` durably into the directory that holds the files, fsyncs that
@@ -64,9 +64,9 @@ from ..compat.checkpointing import async_save_options, is_megatron_writer, write
 from ..compat.rebind import rebound
 from ..compat.versions import MEGATRON_CORE_VERSION
 from ..logs import get_logger
-from .durable import fsync_dir, hash_and_fsync, remove_tree, replace_dir, write_durably
-from .manifest import (CHECKPOINT_NAME, LATEST, CheckpointError, FileRecord, Layout, Manifest, RankRecord,
-                       ShardRecord, committed_checkpoints, current_coords, current_layout)
+from .durable import fsync_dir, remove_tree, replace_dir, write_durably
+from .manifest import (CHECKPOINT_NAME, LATEST, MANIFEST_NAME, CheckpointError, FileRecord, Layout, Manifest,
+                       RankRecord, ShardRecord, committed_checkpoints, current_coords, current_layout, file_record)
 from .state import TrainingState, saved_state
 
 log = get_logger(__name__)
@@ -87,7 +87,7 @@ def common_files(rank: int, directory: Path) -> list[Path]:
 
 def hash_files(paths: list[Path]) -> list[FileRecord]:
     """Each file's record, hashed and fsynced from one handle."""
-    return [FileRecord(path.name, *hash_and_fsync(path)) for path in paths]
+    return [file_record(path) for path in paths]
 
 
 _LOCK = ".higgs-launch-{}.lock"
@@ -233,13 +233,14 @@ def commit(pending: PendingCheckpoint, shards: list[ShardRecord], files: list[Fi
 
 def commit_files(pending: PendingCheckpoint, ranks: list[RankRecord], layout: Layout) -> None:
     """Rank 0's part of the commit, each step durable before the next (the module docstring)."""
-    Manifest(
+    manifest = Manifest(
         iteration=pending.iteration, consumed_samples=pending.consumed_samples, layout=layout,
         ranks=ranks, higgs=pending.higgs,
         versions={"higgs_megatron": __version__, "megatron_core": MEGATRON_CORE_VERSION, "torch": torch.__version__},
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), vocab=pending.vocab,
         save_id=pending.save_id or f"{launch_name(pending.save_dir)}-{secrets.token_hex(2)}",  # in place: drawn now
-    ).write(pending.directory)  # durable: the file, then the directory's entry for it
+    )
+    write_durably(pending.directory / MANIFEST_NAME, manifest.to_json())  # the file, then the directory's entry
     if pending.in_place:
         fsync_dir(pending.save_dir)
         return
