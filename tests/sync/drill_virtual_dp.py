@@ -3,7 +3,7 @@ the loss at P no machine here holds) against real gloo ranks: the same losses, s
 
 It runs HiggsDDP's own sync code for every rank, with the collectives computed in one
 process; its sums follow gloo's ring order, so where the real run and the harness add the
-same numbers they add them alike. Measured here: every loss of 50 steps within 5e-7 of the
+same numbers they add them alike. Measured here: every loss of 25 steps within 5e-7 of the
 real run's (the loss's own reduction order), at 2 and 4 ranks, on the sharded, agreed,
 all-gathering and dense paths, through a dense int8 stage, a density ramp and the sampled
 selector, with and without the distributed optimizer."""
@@ -32,11 +32,12 @@ def test_the_virtual_group_trains_as_real_ranks_do(world_size, form, tiny_gpt_ar
     form, _, distopt = form.partition("-")
     flags = (["--higgs-compressor", "none"] if form == "none" else ["--higgs-sync", form] + SCHEDULE)
     flags += ["--use-distributed-optimizer", "--clip-grad", "0"] if distopt else []
-    argv = tiny_gpt_args + ["--train-iters", "50", "--global-batch-size", str(4 * world_size),
+    argv = tiny_gpt_args + ["--train-iters", "25", "--global-batch-size", str(4 * world_size),
                             "--overlap-grad-reduce", "--ddp-bucket-size", "20000", "--use-higgs",
                             "--higgs-min-bucket-numel", "0", *flags]
     real = run_ranks(train_variants, world_size, args=({"real": argv},), timeout=600)[0]["losses"]["real"]
     virtual = run_ranks(virtual_losses, 1, args=(world_size, argv), timeout=600)[0]["losses"]
-    assert sorted(virtual) == sorted(real) == list(range(1, 51))
+    assert sorted(virtual) == sorted(real) == list(range(1, 26))  # 15 compressed steps after the dense and the ramp
     gaps = {step: abs(virtual[step] - real[step]) for step in real}
+    print(f"DP={world_size} {form}{'-distopt' if distopt else ''}: largest gap {max(gaps.values()):.1e}")
     assert max(gaps.values()) <= 1e-5, sorted(gaps.items(), key=lambda item: -item[1])[:5]
