@@ -95,11 +95,12 @@ def find_text_files(data_path: str | None, cache_dir: str | Path | None = None) 
     writes there (``.json`` among them) would otherwise become part of the next run's corpus."""
     if data_path is None:
         root = default_corpus_root()
-        files = [
-            p
-            for p in root.rglob("*.py")
-            if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
-        ]
+        files = []
+        for folder, subfolders, names in os.walk(root):
+            # not into installed packages: pruned, not walked and filtered (a large site-packages
+            # costs every run's start a second)
+            subfolders[:] = [name for name in subfolders if name not in ("site-packages", "dist-packages")]
+            files += [Path(folder) / name for name in names if name.endswith(".py")]
         source = f"python{sys.version_info.major}.{sys.version_info.minor} standard library at {root}"
     else:
         root = Path(data_path)
