@@ -106,7 +106,8 @@ def measure(kind: str, buckets: str, log_json: Path) -> dict:
     after = rows[index + 1:]
     restarted = any(r.get("event") == "restart_needed" for r in after)  # a straggler's alignments end in one
     aligned = None if restarted else next((r for r in after if r.get("event") == "progress_alignment"), None)
-    loaded = next((r for r in after if r.get("event") == "checkpoint_loaded"), None)
+    loaded = next((r for r in after if r.get("event") in ("checkpoint_loaded", "checkpoint_not_found")), None)
+    start = loaded.get("iteration", 0) if loaded else 0  # checkpoint_not_found: restarted with nothing committed
     recovered = aligned or loaded  # the next iteration is the first one completed after it
     first = next(r for r in rows[rows.index(recovered) + 1 if recovered else index + 1:] if r["type"] == "iteration")
     # A restart redoes what was completed after the checkpoint it loads; an alignment redoes nothing.
@@ -117,9 +118,10 @@ def measure(kind: str, buckets: str, log_json: Path) -> dict:
     return {
         "fault": kind, "buckets": buckets, "iteration": fault["iteration"],
         "seconds to next iteration": first["time"] - fault["time"],
-        "rebuild or load (s)": aligned["regroup_seconds"] if aligned else loaded["seconds"] if loaded else 0.0,
-        "iterations lost": completed - loaded["iteration"] if loaded else 0,
-        "how": "alignment" if aligned else f"restart from iteration {loaded['iteration']}" if loaded else "-",
+        "rebuild or load (s)": aligned["regroup_seconds"] if aligned else loaded.get("seconds", 0.0) if loaded else 0.0,
+        "iterations lost": completed - start if loaded else 0,
+        "how": "alignment" if aligned else f"fallback to iteration {start}" if kind == "corrupt newest" else (
+            f"restart from iteration {start}" if start else "restart from scratch") if loaded else "-",
     }
 
 
