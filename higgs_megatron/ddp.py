@@ -570,14 +570,15 @@ class HiggsDDP(DistributedDataParallel):
         once, at construction."""
         if not self._builds_node_groups():
             return False
-        return bool(self._agree_on_experts(False))
+        return bool(self._agree_on_experts(False).item())  # decides whether to enter a collective
 
     @staticmethod
-    def _agree_on_experts(mine: bool) -> int:
-        """Whether any rank of the world has experts (collective over the world)."""
+    def _agree_on_experts(mine: bool) -> torch.Tensor:
+        """Whether any rank of the world has experts (collective over the world), on the
+        collective's device: read on the host only by the ranks without experts."""
         flag = torch.tensor([int(mine)], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return flag
 
     def _higgs_plan_auto(self, domain: _Domain, groups: list[HiggsBucketGroup], dp_group: dist.ProcessGroup,
                          distributed_optimizer: bool) -> None:

@@ -63,13 +63,14 @@ class Verdict:
 class StepVote:
     """The store channel of ``StepDecision``; ``timeout`` bounds the wait for the other ranks.
 
-    O(N) store requests per step in all, whatever the world size N: each rank adds itself to
-    the attempt's counter and marks its presence; only a rank with a reason to drop the step
-    appends it, to one key, and counts itself as troubled first. The rank whose addition
-    completes the count publishes the troubled count (``done``) and deletes the previous
-    attempt's keys, which every rank has read by then (it voted in this attempt after reading
-    that verdict). Each rank waits for ``done`` and reads it; the reasons only when some rank
-    had one. A rank's presence key is read only after a timeout, to name who did not vote."""
+    O(N) store requests per step in all, whatever the world size N, and O(1) keys: each rank
+    appends its rank to the attempt's ``present`` key and adds itself to its counter; only a
+    rank with a reason to drop the step appends it, to one key, and counts itself as troubled
+    first. The rank whose addition completes the count publishes the troubled count (``done``)
+    and deletes the previous attempt's five keys, which every rank has read by then (it voted
+    in this attempt after reading that verdict): a constant cost on that rank's step, not one
+    per rank. Each rank waits for ``done`` and reads it; the reasons only when some rank had
+    one. ``present`` is read only after a timeout, to name who did not vote."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float = 1800.0) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -77,11 +78,9 @@ class StepVote:
         self.attempt = 0
 
     @staticmethod
-    def keys(attempt: int, world_size: int) -> list[str]:
+    def keys(attempt: int) -> list[str]:
         """Every key an attempt writes."""
-        prefix = f"vote/{attempt}/"
-        return [prefix + name for name in ("count", "troubled", "reasons", "done")] + \
-               [f"{prefix}rank/{rank}" for rank in range(world_size)]
+        return [f"vote/{attempt}/{name}" for name in ("present", "count", "troubled", "reasons", "done")]
 
     def decide(self, nonfinite: bool, sync_failure: str | None) -> Verdict:
         self.attempt += 1
@@ -90,15 +89,16 @@ class StepVote:
             store.append(prefix + "reasons", json.dumps({"rank": self.rank, "nonfinite": nonfinite,
                                                          "sync": sync_failure}) + "\n")
             store.add(prefix + "troubled", 1)
-        store.set(f"{prefix}rank/{self.rank}", "")
+        store.append(prefix + "present", f"{self.rank},")
         if store.add(prefix + "count", 1) == self.world_size:
             store.set(prefix + "done", str(store.add(prefix + "troubled", 0)))
-            for key in self.keys(self.attempt - 1, self.world_size) if self.attempt > 1 else ():
+            for key in self.keys(self.attempt - 1) if self.attempt > 1 else ():
                 store.delete_key(key)
         try:
             store.wait([prefix + "done"], timedelta(seconds=self.timeout))
         except RuntimeError as error:  # the store's own timeout error
-            missing = [rank for rank in range(self.world_size) if not store.check([f"{prefix}rank/{rank}"])]
+            present = {int(rank) for rank in store.get(prefix + "present").decode().split(",") if rank}
+            missing = [rank for rank in range(self.world_size) if rank not in present]
             raise VoteTimeout(f"rank(s) {missing} did not vote on step attempt {self.attempt} within "
                               f"{self.timeout:g}s (--higgs-restart-timeout)", missing) from error
         if store.get(prefix + "done") == b"0":

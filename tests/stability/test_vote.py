@@ -86,8 +86,8 @@ for _name in ("set", "get", "add", "append", "check", "delete_key"):
 def test_1024_voters_cost_a_few_requests_each_and_leave_one_attempts_keys():
     """1,024 voters (threads) on one store, three attempts, one rank dropping the second: each
     attempt costs at most six requests per voter and a few more in all (not one per pair of
-    voters: a million here), and the keys left are the last attempt's only. Prints the
-    decision's time per attempt."""
+    voters: a million here), and the keys left are the last attempt's five at most, whatever
+    the number of voters. Prints the decision's time per attempt."""
     import time
 
     world = 1024
@@ -112,5 +112,5 @@ def test_1024_voters_cost_a_few_requests_each_and_leave_one_attempts_keys():
         print(f"attempt {attempt}: {world} voters, {requests} store requests ({requests / world:.2f} per voter), "
               f"decided in {seconds:.2f}s; {store.num_keys()} keys in the store")
         assert requests <= 6 * world + 8, requests
-        assert store.num_keys() <= world + 4  # this attempt's: the previous one's were deleted
-    assert all(not store.inner.check([key]) for key in StepVote.keys(2, world))
+        assert store.num_keys() <= 5  # this attempt's: the previous one's were deleted
+    assert all(not store.inner.check([key]) for key in StepVote.keys(2))
