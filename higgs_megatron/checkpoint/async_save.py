@@ -48,7 +48,8 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from ..compat.checkpointing import async_save_options
 from ..device import HostCopy, request_event
 from .manifest import CheckpointError
-from .save import (PendingCheckpoint, SaveResult, begin, commit, common_files, first_line, hash_files,
+from .outcome import first_line, same_outcome_everywhere
+from .save import (PendingCheckpoint, SaveResult, begin, commit, common_files, hash_files,
                    megatron_writer_args, pending_checkpoint, thread_results_queue, write_buckets)
 from .state import TrainingState, saved_state
 
@@ -144,7 +145,9 @@ class AsyncCheckpointer:
         state, shards = saved_state(training)
         live = {v.data.data_ptr() for v in nested_values(state)
                 if isinstance(v, ShardedBase) and isinstance(getattr(v, "data", None), torch.Tensor)}
-        with thread_results_queue():  # this save's own: a failed save leaves nothing for the next
+        # A rank failing here alone would leave the others in megatron-core's planning collectives.
+        with same_outcome_everywhere(f"checkpoint {snapshot.directory} not begun"), \
+                thread_results_queue():  # this save's own: a failed save leaves nothing for the next
             request = dist_checkpointing.save(state, str(snapshot.directory), sharded_strategy=self.strategy,
                                               validate_access_integrity=not self.validated, async_sharded_save=True,
                                               **async_save_options())

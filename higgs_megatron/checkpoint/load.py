@@ -8,7 +8,9 @@ the previous committed one, unless ``--checkpoint-version`` named it -> layout c
 (``same-sharding``: any difference stops the load, each named; ``reshard``: every shard this
 rank needs must be covered by saved shards) -> only then ``dist_checkpointing.load``. Every
 failure is agreed on by all ranks (an all-gather of the problems) and raised as
-``CheckpointError`` before any model or optimizer state has been touched. Both front-ends run the same steps
+``CheckpointError`` before any model or optimizer state has been touched; a failure on any
+rank while the files are read and restored is raised on every rank
+(``outcome.same_outcome_everywhere``). Both front-ends run the same steps
 (``validated_checkpoint``, ``restoring``); Megatron-LM's loader then reads the files itself.
 
 Every rule a checkpoint must pass is here:
@@ -51,6 +53,7 @@ from ..compat.versions import MEGATRON_CORE_VERSION
 from ..ddp import HiggsDDP
 from .manifest import (CHECKPOINT_NAME, LATEST, MANIFEST_NAME, CheckpointError, Layout, Manifest, ShardRecord,
                        committed_checkpoints, current_layout, verify_files)
+from .outcome import same_outcome_everywhere
 from .state import (TrainingState, owner_written_optimizer_state, prepare_fresh_optimizer_for_load,
                     restore_rng_state, shard_records, sharded_training_state, tolerate_torch_adam_step,
                     untie_adam_steps)
@@ -416,7 +419,7 @@ def load_checkpoint(training: TrainingState, load_dir: str | Path, recovery_mode
                                   current_layout(training.use_distributed_optimizer), training.vocab)
     if chosen is None:
         return None
-    with restoring(training.optimizer):
+    with same_outcome_everywhere(f"checkpoint {chosen.path} not loaded"), restoring(training.optimizer):
         state = sharded_training_state(training, is_loading=True, per_rank=not chosen.resharded)
         check_reshard_plan(chosen, state)
         loaded = dist_checkpointing.load(state, str(chosen.path))
@@ -424,11 +427,11 @@ def load_checkpoint(training: TrainingState, load_dir: str | Path, recovery_mode
         optimizer_state = loaded["optimizer"]
         residuals = optimizer_state.pop("higgs_residuals", None)
         getattr(training.optimizer, "inner", training.optimizer).load_state_dict(optimizer_state)
-    if not chosen.resharded:
-        restore_rng_state(loaded["rng"])
-    training.scheduler.load_state_dict(loaded["scheduler"])
-    for chunk, saved in zip((c for c in training.model if isinstance(c, HiggsDDP)), residuals or ()):
-        chunk.load_residual_state(saved)
+        if not chosen.resharded:
+            restore_rng_state(loaded["rng"])
+        training.scheduler.load_state_dict(loaded["scheduler"])
+        for chunk, saved in zip((c for c in training.model if isinstance(c, HiggsDDP)), residuals or ()):
+            chunk.load_residual_state(saved)
     training.iteration = loaded["iteration"]
     training.consumed_samples = loaded["consumed_samples"]
     return chosen

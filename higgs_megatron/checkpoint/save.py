@@ -11,12 +11,14 @@ and then call ``commit``. All ranks take part, at the same iteration:
    raises the same ``CheckpointError`` or none does.
 2. Every rank hands its sharded state (``state.py``) to ``dist_checkpointing.save``
    (torch_dist), whose plan is written by megatron-core's per-file writer on this process
-   (``write_buckets``): its own ``__<rank>_*.distcp`` files; rank 0 also the common files. A
-   write error on any rank is raised on every rank by megatron-core's result exchange.
+   (``write_buckets``): its own ``__<rank>_*.distcp`` files; rank 0 also the common files.
 3. Every rank hashes and fsyncs the files it wrote, named by the writer's plan (never by a
-   listing of the directory), from one handle each (``manifest.file_record``).
-4. ``commit``: every rank's record (host, coordinates, files with SHA-256, shards held) and
-   error, if any, are gathered on rank 0 (not on every rank: they grow with the job). Rank 0
+   listing of the directory), from one handle each (``manifest.file_record``). A failure on
+   any rank in steps 2 and 3 is raised on every rank (``outcome.same_outcome_everywhere``:
+   through the store, since a rank can fail alone before a collective the others are in),
+   and nothing is committed.
+4. ``commit``: every rank's record (host, coordinates, files with SHA-256, shards held) is
+   gathered on rank 0 (not on every rank: records grow with the job). Rank 0
    writes ``rank_map.json`` durably into the directory that holds the files, fsyncs that
    directory, and, for a ``.tmp`` save, puts it at ``iter_NNNNNNN`` (``durable.replace_dir``:
    an existing one is swapped out in one step, never removed first), fsyncs the save
@@ -67,6 +69,7 @@ from ..logs import get_logger
 from .durable import fsync_dir, remove_tree, replace_dir, write_durably
 from .manifest import (CHECKPOINT_NAME, LATEST, MANIFEST_NAME, CheckpointError, FileRecord, Layout, Manifest,
                        RankRecord, ShardRecord, committed_checkpoints, current_coords, current_layout, file_record)
+from .outcome import describe, same_outcome_everywhere
 from .state import TrainingState, saved_state
 
 log = get_logger(__name__)
@@ -205,25 +208,20 @@ def begin(pending: PendingCheckpoint) -> PendingCheckpoint:
     return pending
 
 
-def commit(pending: PendingCheckpoint, shards: list[ShardRecord], files: list[FileRecord],
-           error: str | None = None) -> SaveResult:
-    """Commit a checkpoint whose files this rank wrote (``files``) or failed to (``error``);
-    collective (see the module docstring)."""
+def commit(pending: PendingCheckpoint, shards: list[ShardRecord], files: list[FileRecord]) -> SaveResult:
+    """Commit a checkpoint whose files every rank wrote (``files``: this rank's); collective
+    (see the module docstring)."""
     rank = dist.get_rank()
     record = RankRecord(rank=rank, host=socket.gethostname(), coords=current_coords(), files=files, shards=shards)
     gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object((record, error), gathered, dst=0)
-    outcome: list = [None, 0]  # the error that stops the commit, the bytes committed
+    dist.gather_object(record, gathered, dst=0)
+    outcome: list = [None, 0]  # rank 0's error, the bytes committed
     if rank == 0:
-        errors = [e for _, e in gathered if e]
-        outcome[1] = sum(f.bytes for r, _ in gathered for f in r.files)
-        if errors:
-            outcome[0] = "; ".join(errors)
-        else:
-            try:
-                commit_files(pending, [r for r, _ in gathered], current_layout(pending.use_distributed_optimizer))
-            except OSError as failure:
-                outcome[0] = f"rank 0: {type(failure).__name__}: {failure}"
+        outcome[1] = sum(f.bytes for r in gathered for f in r.files)
+        try:
+            commit_files(pending, gathered, current_layout(pending.use_distributed_optimizer))
+        except OSError as failure:
+            outcome[0] = f"rank 0: {type(failure).__name__}: {failure}"
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
         raise CheckpointError(f"checkpoint {pending.directory} not committed: {outcome[0]}")
@@ -346,29 +344,23 @@ def megatron_writer_args(request) -> list:
 
 def save_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: int | None = None) -> SaveResult:
     """Save ``training`` as a committed checkpoint, synchronously (see the module docstring):
-    megatron-core's save, its writer run here through ``write_buckets``."""
+    megatron-core's save, its writer run here through ``write_buckets``. A failure on any rank
+    while writing is raised on every rank (``outcome.same_outcome_everywhere``), nothing committed."""
     pending = begin(pending_checkpoint(training, save_dir, keep_last))
     rank = dist.get_rank()
     state, shards = saved_state(training)
-    error, files = None, []
-    try:
+    with same_outcome_everywhere(f"checkpoint {pending.directory} not committed"):
         with crc32_skipped(), thread_results_queue(), writer_errors() as logged:
-            request = dist_checkpointing.save(state, str(pending.directory), async_sharded_save=True,
-                                              **async_save_options())
-            written: list[FileRecord] = []
-            transform_list = megatron_writer_args(request)
-            request._replace(async_fn=lambda _rank, buckets, results: written.extend(
-                write_buckets(transform_list, buckets, results))).execute_sync()
+            try:
+                request = dist_checkpointing.save(state, str(pending.directory), async_sharded_save=True,
+                                                  **async_save_options())
+                written: list[FileRecord] = []
+                transform_list = megatron_writer_args(request)
+                request._replace(async_fn=lambda _rank, buckets, results: written.extend(
+                    write_buckets(transform_list, buckets, results))).execute_sync()
+            except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - with what megatron-core's writer logged
+                said = describe(rank, exc)
+                raise CheckpointError(said + "".join(f"; {line}" for line in dict.fromkeys(logged)
+                                                     if line not in said)) from exc
         files = written + hash_files(common_files(rank, pending.directory))
-    except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
-        said = first_line(exc)
-        error = f"rank {rank}: {type(exc).__name__}: {said}" + "".join(
-            f"; {line}" for line in dict.fromkeys(logged) if line not in said)
-    return commit(pending, shards, files, error)
-
-
-def first_line(error: BaseException) -> str:
-    """torch's CheckpointException carries each failing rank's traceback; keep the errors."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line.split(":", 1)[0]]
-    return "; ".join(errors) or (lines[0] if lines else type(error).__name__)
+    return commit(pending, shards, files)

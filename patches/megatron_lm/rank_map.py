@@ -27,7 +27,9 @@ Load (``load_checkpoint``), all ranks, before Megatron-LM reads anything:
   4. under ``reshard``, when Megatron-LM builds the state dict to load into, every shard this
      rank needs must be tiled by saved shards;
   then Megatron-LM loads that exact iteration (``args.ckpt_step``). Every failure is agreed
-  by all ranks and raised everywhere as ``CheckpointError`` before any state is touched.
+  by all ranks and raised everywhere as ``CheckpointError`` before any state is touched; one
+  on any rank inside Megatron-LM's loader is raised on every rank
+  (``outcome.same_outcome_everywhere``).
 
 Error-feedback residuals are per rank; on a resumed run with the same layout they are
 restored, on a reshard they start at zero (the policy of ``higgs_megatron.checkpoint``) and
@@ -49,6 +51,7 @@ from higgs_megatron.checkpoint.save import (PendingCheckpoint, commit, common_fi
                                             thread_results_queue)
 from higgs_megatron.checkpoint.load import (LoadResult, check_reshard_plan, restoring, validated_checkpoint,
                                             vocab_record)
+from higgs_megatron.checkpoint.outcome import same_outcome_everywhere
 from higgs_megatron.checkpoint.manifest import MEGATRON_LM_TRACKER, Manifest, current_layout
 from higgs_megatron.checkpoint.state import owner_written_optimizer_state, shard_records
 from higgs_megatron.logs import get_logger, log_single_rank
@@ -160,7 +163,7 @@ class RankMapHooks:
             optimizer.skip_residuals_on_load = resharded
         self.loading = chosen if resharded else None
         try:
-            with restoring(optimizer):
+            with same_outcome_everywhere(f"checkpoint {path} not loaded"), restoring(optimizer):
                 result = original(ddp_model, optimizer, scheduler, load_arg, *args, **kwargs)
         finally:
             self.loading = None

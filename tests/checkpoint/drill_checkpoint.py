@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from higgs_megatron.checkpoint.manifest import MANIFEST_NAME, Manifest, committed_checkpoints, verify_files
 from higgs_megatron.checkpoint.load import _intersection_volume
 from higgs_megatron_bench.ranks import RankFailure, run_pretrain_script, run_ranks
-from tests.workers.checkpoint import optimizer_state_both_ways
+from tests.workers.checkpoint import load_failing_on_rank_1, optimizer_state_both_ways
 from tests.workers.common import run_trainer
 
 
@@ -245,6 +246,24 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ti
     assert verify_files(newest, Manifest.read(newest), 0, 1) == []  # saved again, whole
 
 
+def test_a_load_failing_on_one_rank_raises_the_same_error_on_every_rank(tmp_path, tiny_gpt_args):
+    """Rank 1's part of a load fails: before the collectives the other rank goes into, inside
+    torch's collective read, or after the last collective (its model refuses the state, where
+    the other rank would otherwise train on and hang in the first gradient reduction). Every
+    rank raises the same ``CheckpointError`` naming rank 1 and its error, and none waits for
+    the group's timeout (minutes) to learn it."""
+    base = tiny_gpt_args + COMMON + ["--train-iters", "4"]
+    run_ranks(run_trainer, 2, args=(base + ["--train-iters", "2", "--save", str(tmp_path)],))
+    causes = {"early": r"rank 1: OSError: \[Errno 5\] Input/output error",
+              "read": r"rank 1: OSError: \[Errno 5\] Input/output error",
+              "restore": r"rank 1: RuntimeError: size mismatch for decoder"}
+    for where, cause in causes.items():
+        outs = run_ranks(load_failing_on_rank_1, 2, args=(base + ["--load", str(tmp_path)], where), timeout=120)
+        assert outs[0]["error"] == outs[1]["error"], (where, outs)
+        assert re.fullmatch(rf"checkpoint {re.escape(str(tmp_path / 'iter_0000002'))} not loaded: {cause}",
+                            outs[0]["error"] or ""), (where, outs)
+
+
 def test_the_checkpoint_tool_inspects_verifies_and_plans_offline(tmp_path, tiny_gpt_args, capsys):
     from higgs_megatron.cli import main as cli
 
@@ -310,6 +329,73 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, mode, tin
     assert resumed[0]["start"] == 2
     assert not list(tmp_path.glob("iter_*.tmp")), "the next save removes the leftover"
     assert (tmp_path / "latest").read_text().strip() == "4"
+
+
+@pytest.mark.parametrize("mode,step", [pytest.param([], "replace_dir", id="sync-before-rename"),
+                                       pytest.param(["--async-checkpoint"], "write_latest", id="async-before-latest")])
+def test_rank_0_killed_inside_the_commit_loses_nothing_committed(tmp_path, mode, step, tiny_gpt_args):
+    """Rank 0 killed inside the commit of iteration 4: with the rank map written but the
+    directory still ``.tmp`` (never loaded), or renamed but ``latest`` still at 2 (loaded
+    only if ``latest`` names it: a pointer moved back by hand is honoured). The next start
+    loads 2, a whole checkpoint, saves 4 and 6 again (the leftover removed, the renamed 4
+    replaced), and every checkpoint left verifies against its rank map."""
+    base = tiny_gpt_args + COMMON + mode + ["--save", str(tmp_path), "--save-interval", "2", "--train-iters", "6"]
+    with pytest.raises(RankFailure):
+        run_ranks(run_trainer, 2, args=(base, None, None, None, None, None, (step, 4)), timeout=120)
+    assert (tmp_path / "latest").read_text() == "2\n"
+    if step == "replace_dir":
+        leftover = list(tmp_path.glob("iter_0000004.*.tmp"))
+        assert len(leftover) == 1 and (leftover[0] / MANIFEST_NAME).exists() and committed_checkpoints(tmp_path) == [2]
+    else:
+        assert committed_checkpoints(tmp_path) == [2, 4]
+    resumed = run_ranks(run_trainer, 2, args=(base + ["--load", str(tmp_path)],))
+    assert resumed[0]["start"] == 2
+    assert not list(tmp_path.glob("iter_*.tmp")) and not list(tmp_path.glob("iter_*.replaced"))
+    assert committed_checkpoints(tmp_path) == [2, 4, 6] and (tmp_path / "latest").read_text() == "6\n"
+    for iteration in (2, 4, 6):
+        directory = tmp_path / f"iter_{iteration:07d}"
+        assert verify_files(directory, Manifest.read(directory), 0, 1) == [], directory
+
+
+def test_two_jobs_saving_into_one_directory_leave_each_others_files_alone(tmp_path, tiny_gpt_args):
+    """Job A has begun its save of iteration 2 (its ``.tmp`` made) and is held there while job
+    B, started in the same directory, saves iteration 1 and ends: B's save leaves A's save in
+    progress alone (a live launch's) and certifies only the files its own writer wrote. A then
+    commits 2 and 4; every checkpoint holds exactly the files its rank map lists, each verifying,
+    and carries its own job's save id."""
+    import threading
+
+    flag = tmp_path / "go"
+    save = tmp_path / "ckpt"
+    common = tiny_gpt_args + COMMON + ["--save", str(save)]
+    job_a: dict = {}
+    thread = threading.Thread(target=lambda: job_a.update(out=run_ranks(
+        run_trainer, 2, args=(common + ["--save-interval", "2", "--train-iters", "4"], None, None, None, None,
+                              (2, str(flag))), timeout=200)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not list(save.glob("iter_0000002.*.tmp")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        in_progress = list(save.glob("iter_0000002.*.tmp"))
+        assert len(in_progress) == 1, "job A never began its save"
+        run_ranks(run_trainer, 2, args=(common + ["--save-interval", "1", "--train-iters", "1"],))
+        assert in_progress[0].is_dir(), "job B removed job A's save in progress"
+    finally:
+        flag.touch()
+        thread.join()
+    assert "out" in job_a, "job A failed"
+    assert committed_checkpoints(save) == [1, 2, 4] and (save / "latest").read_text() == "4\n"
+    launches = {}
+    for iteration in (1, 2, 4):
+        directory = save / f"iter_{iteration:07d}"
+        manifest = Manifest.read(directory)
+        on_disk = {p for p in os.listdir(directory) if p != MANIFEST_NAME}
+        assert on_disk == {f.path for r in manifest.ranks for f in r.files}, directory
+        assert verify_files(directory, manifest, 0, 1) == [], directory
+        launches[iteration] = manifest.save_id.split("-")[0]
+    assert launches[2] == launches[4] != launches[1], launches
+    assert in_progress[0].name.split(".")[1].startswith(launches[2])
 
 
 def test_checkpoint_interval_saves_by_wall_clock(tmp_path, tiny_gpt_args):

@@ -47,3 +47,41 @@ def save_schedule_decisions() -> list[bool]:
             schedule.saved()
     dist.destroy_process_group()
     return decisions
+
+
+def load_failing_on_rank_1(argv: list[str], where: str) -> dict:
+    """Load with rank 1's part failing at ``where``: ``early`` (megatron-core's load raises at
+    once, before the collectives the other ranks go into), ``read`` (its shard files cannot be
+    read, inside torch's collective read step) or ``restore`` (its model refuses the state,
+    after the last collective of the load). Each rank's ``CheckpointError``, if any."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from higgs_megatron.checkpoint.manifest import CheckpointError
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
+
+    def failing(original, error: Exception):
+        def fail(*a, **k):
+            if dist.get_rank() == 1:
+                raise error
+            return original(*a, **k)
+        return fail
+
+    if where == "early":
+        dist_checkpointing.load = failing(dist_checkpointing.load, OSError(5, "Input/output error"))
+    elif where == "read":
+        FileSystemReader.read_data = failing(FileSystemReader.read_data, OSError(5, "Input/output error"))
+    else:
+        GPTModel.load_state_dict = failing(GPTModel.load_state_dict, RuntimeError("size mismatch for decoder"))
+    args = parse_args(argv)
+    with training_environment(args):
+        try:
+            Trainer(args).close()
+            error = None
+        except CheckpointError as raised:
+            error = str(raised)
+    return {"error": error}

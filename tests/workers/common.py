@@ -183,12 +183,18 @@ def sparse_sync_invariants(argv: list[str]) -> dict:
 
 def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
                 unwritable_rank_from: int | None = None, slow_host_copy: float | None = None,
-                rank0_fails: dict[str, int] | None = None) -> dict:
+                rank0_fails: dict[str, int] | None = None, hold_save: tuple[int, str] | None = None,
+                rank0_dies_in: tuple[str, int] | None = None) -> dict:
     """Train (with whatever --save/--load flags) and report losses, the loaded iteration and the
     global tensors this rank holds (model and optimizer state, by key and offset).
     ``slow_host_copy``: an async save's host copy starts only after this many seconds.
     ``rank0_fails``: rank 0's part of the save's ``begin`` or ``commit`` raises an OSError at
-    the iteration given for it (the save directory unwritable, the disk full)."""
+    the iteration given for it (the save directory unwritable, the disk full).
+    ``hold_save``: (iteration, path): once the save of that iteration has begun (its ``.tmp``
+    made), every rank waits for ``path`` to exist before writing.
+    ``rank0_dies_in``: (step, iteration): rank 0 is killed as it enters that step of the
+    commit of that iteration (``replace_dir``: the rank map written, the directory not yet
+    renamed; ``write_latest``: renamed, ``latest`` not yet moved)."""
     import builtins
     import os
     import signal
@@ -232,6 +238,27 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
 
     trainer_box = {}
     original_leftovers, original_commit_files = save_module.remove_leftovers, save_module.commit_files
+    original_begin = save_module.begin
+    original_steps = {step: getattr(save_module, step) for step in ("replace_dir", "write_latest")}
+
+    def holding_begin(pending):
+        pending = original_begin(pending)
+        if pending.iteration == hold_save[0]:
+            while not os.path.exists(hold_save[1]):
+                time.sleep(0.05)
+        return pending
+
+    def dying(step: str):
+        def die(*a, **k):
+            iteration = trainer_box["commit"].iteration
+            if dist.get_rank() == 0 and (step, iteration) == rank0_dies_in:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original_steps[step](*a, **k)
+        return die
+
+    def remembering_commit_files(pending, *a, **k):
+        trainer_box["commit"] = pending
+        return original_commit_files(pending, *a, **k)
 
     def failing(step: str, original, error: OSError):
         def fail(*a, **k):  # the save's iteration: the commit's own (an async one commits later), else now
@@ -258,7 +285,11 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
         elif kill_rank_during_save_at is not None:
             save_module.commit = dying_commit
         save_module.remove_leftovers = failing("begin", original_leftovers, PermissionError(13, "Permission denied"))
-        save_module.commit_files = failing("commit", original_commit_files, OSError(28, "No space left on device"))
+        save_module.commit_files = failing("commit", remembering_commit_files, OSError(28, "No space left on device"))
+        if hold_save is not None:
+            save_module.begin = async_save.begin = holding_begin
+        if rank0_dies_in is not None:
+            setattr(save_module, rank0_dies_in[0], dying(rank0_dies_in[0]))
         if unwritable_rank_from is not None:
             # From that iteration on, this rank's shard files cannot be opened for writing, as on a
             # read-only or full file system (the writer processes fork from here and inherit it).
@@ -283,6 +314,9 @@ def run_trainer(argv: list[str], kill_rank_during_save_at: int | None = None,
         dist_checkpointing.save = original_save
         save_module.commit = original_commit
         save_module.remove_leftovers, save_module.commit_files = original_leftovers, original_commit_files
+        save_module.begin = async_save.begin = original_begin
+        for step, original in original_steps.items():
+            setattr(save_module, step, original)
         FileSystemWriterAsync.write_preloaded_data = original_write_attr
         if had_open:
             filesystem_async.open = original_open
