@@ -360,6 +360,8 @@ def save_checkpoint(training: TrainingState, save_dir: str | Path, keep_last: in
                     write_buckets(transform_list, buckets, results))).execute_sync()
             except (Exception, DcpCheckpointException) as exc:  # noqa: BLE001 - with what megatron-core's writer logged
                 said = describe(rank, exc)
+                if said is None:  # names no failed rank: the rank whose copy does says it
+                    raise
                 raise CheckpointError(said + "".join(f"; {line}" for line in dict.fromkeys(logged)
                                                      if line not in said)) from exc
         files = written + hash_files(common_files(rank, pending.directory))
