@@ -77,10 +77,21 @@ log = get_logger(__name__)
 COMMON_FILES = (".metadata", "common.pt", "metadata.json")
 
 
-def shard_files(rank: int, directory: Path) -> list[Path]:
-    """The torch_dist files of this rank's tensor shards, as a listing finds them: for a save
-    whose writer we do not run (Megatron-LM's own)."""
-    return sorted(directory.glob(f"__{rank}_*.distcp"))
+@contextmanager
+def planned_files() -> Iterator[list[Path]]:
+    """The shard files megatron-core's writer plans inside the scope, as its plan names them:
+    for a save whose writer we do not run (Megatron-LM's own, written by its forked processes
+    or its async worker), what this rank hashes at the commit; never a listing of the
+    directory, where another writer's files could be."""
+    names: list[Path] = []
+    plan = FileSystemWriterAsync.get_save_function_and_args
+
+    def recorded(writer):
+        names.extend(Path(bucket[0]) for bucket in writer.write_buckets or ())
+        return plan(writer)
+
+    with rebound((FileSystemWriterAsync, "get_save_function_and_args", recorded)):
+        yield names
 
 
 def common_files(rank: int, directory: Path) -> list[Path]:

@@ -11,7 +11,8 @@ Save (``save_checkpoint``), all ranks:
      records the tensor shards it holds as the main replica;
   2. once the files are on disk (synchronous save: when Megatron-LM's ``save_checkpoint``
      returns; ``--async-save``: in the save's finalization, after every rank's writer has
-     finished), each rank hashes the files it wrote, an all-gather brings files, shards,
+     finished), each rank hashes the files it wrote (named by megatron-core's write plan,
+     ``planned_files``, never by a listing), a gather brings files, shards,
      hosts and coordinates to rank 0, and rank 0 writes ``rank_map.json`` atomically. That
      file is the commit.
   Megatron-LM moves its tracker (``latest_checkpointed_iteration.txt``) just before step 2,
@@ -47,7 +48,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from higgs_megatron.runtime.run_config import RunConfig
-from higgs_megatron.checkpoint.save import (PendingCheckpoint, commit, common_files, hash_files, shard_files,
+from higgs_megatron.checkpoint.save import (PendingCheckpoint, commit, common_files, hash_files, planned_files,
                                             thread_results_queue)
 from higgs_megatron.checkpoint.load import (LoadResult, check_reshard_plan, restoring, validated_checkpoint,
                                             vocab_record)
@@ -79,12 +80,12 @@ class PendingRankMap:
     def __init__(self, checkpoint: PendingCheckpoint) -> None:
         self.checkpoint = checkpoint
         self.shards: list = []
+        self.files: list[Path] = []  # this rank's shard files, as megatron-core's writer planned them
         self.committed = False
 
     def commit(self) -> None:
         rank, directory = dist.get_rank(), self.checkpoint.directory
-        result = commit(self.checkpoint, self.shards, hash_files(shard_files(rank, directory)
-                                                                 + common_files(rank, directory)))
+        result = commit(self.checkpoint, self.shards, hash_files(self.files + common_files(rank, directory)))
         self.committed = True
         log_single_rank(log, logging.INFO, f" [higgs] committed {directory} with its rank map ({dist.get_world_size()} "
                         f"ranks, {result.bytes / 1e6:.1f} MB, {result.seconds:.2f} s after the save started)")
@@ -119,8 +120,9 @@ class RankMapHooks:
         # A synchronous save writes from this process: megatron-core's results queue need not be
         # a spawned manager's (seconds on a launch's first save; ``thread_results_queue``).
         queue = contextlib.nullcontext() if a.async_save else thread_results_queue()
-        with owner_written_optimizer_state(), queue:
+        with owner_written_optimizer_state(), queue, planned_files() as files:
             result = original(iteration, *args, **kwargs)
+        self.pending.files = files
         if not a.async_save:
             self.pending.commit()
         self.saved_iterations.add(int(iteration))  # only once the save went through (or was scheduled)
