@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -62,6 +62,10 @@ class Resilience:
         self.max_in_a_row = max_in_a_row
         self.board = self.watchdog = self.store = None
         self.attempt_started = 0.0
+        self.before_orderly_restart: Callable[[], object] | None = None
+        """Set by the front-end: what it finishes when every rank leaves for a restart at the
+        same point, none stuck (too many alignments in a row): an asynchronous save in flight
+        is committed, so the restart resumes from it rather than from the one before."""
         if self.timeout is None:
             return
         # Keys of an earlier attempt of a restarted job, or of an earlier Trainer in this process
@@ -162,11 +166,22 @@ class Resilience:
                            f"{self.alignments.too_often / 60:.0f} minutes: the cluster needs attention "
                            "(links, NICs, memory pressure)", iteration=iteration)
         if self.alignments.in_a_row >= self.max_in_a_row:  # every rank saw the same verdicts: all leave here
+            self._finish_before_restart()
             self.restart(f"{self.alignments.in_a_row} progress alignments in a row at iteration {iteration}, no step "
                          f"kept between them (--higgs-max-alignments-in-a-row {self.max_in_a_row}; the last: "
                          f"{verdict.cause}): a rank misses --higgs-step-timeout {self.timeout:g}s on every attempt, "
                          "or the timeout is shorter than the sync itself")
         return True
+
+    def _finish_before_restart(self) -> None:
+        """``before_orderly_restart``, if set (collective: every rank is here); a failure of it
+        is logged, and the restart goes on."""
+        if self.before_orderly_restart is None:
+            return
+        try:
+            self.before_orderly_restart()
+        except Exception as error:  # noqa: BLE001 - the restart is what matters now
+            log.warning(f" [rank {self.rank}] before the restart: {type(error).__name__}: {error}")
 
     def close(self, iteration: int) -> None:
         self.phase(iteration, "done")

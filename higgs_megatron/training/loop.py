@@ -118,6 +118,8 @@ class Trainer:
         self._log_sync_plan()
         self.consumed_samples = 0
         self.checkpointer = AsyncCheckpointer() if run.checkpoint.async_checkpoint else None
+        if self.checkpointer is not None:
+            self.runtime.resilience.before_orderly_restart = lambda: self._committed(self.checkpointer.wait)
         if run.checkpoint.load:
             self._load()
         self._saved_at = self.iteration

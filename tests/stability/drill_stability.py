@@ -196,10 +196,12 @@ def test_a_straggler_on_every_attempt_ends_in_a_restart_after_k_alignments(tmp_p
     """Rank 1 stalls 3 s past a 2 s step timeout on every attempt of iteration 3 (two hangs
     there), under --higgs-max-alignments-in-a-row 2 and torchrun --max-restarts 1: two
     alignments in a row, then every rank says why and exits with status 75, instead of
-    realigning forever; the restarted job resumes from 2 and finishes."""
+    realigning forever. The asynchronous save of 2, still in flight (no step completed since it
+    began, so no poll committed it), is committed before the ranks leave: the restarted job
+    resumes from 2, not from scratch, and finishes."""
     save, log = tmp_path / "ckpt", tmp_path / "straggler.jsonl"
     argv = _dense_auto(tiny_gpt_args, tmp_path, "straggler", iters=4) + [
-        "--save", str(save), "--save-interval", "2", "--auto-resume", "--higgs-step-timeout", "2",
+        "--save", str(save), "--save-interval", "2", "--async-checkpoint", "--auto-resume", "--higgs-step-timeout", "2",
         "--higgs-max-alignments-in-a-row", "2", "--inject-fault", "hang@1:3:3", "--inject-fault", "hang@1:3:3"]
     argv[argv.index("--log-json") + 1] = str(log)
     proc = run_pretrain_script(argv, nproc=2, timeout=240, extra_launcher_args=["--max-restarts", "1"])
