@@ -30,12 +30,13 @@ from __future__ import annotations
 import secrets
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 # torch's checkpoint failure is a BaseException: name it, or it escapes the agreement.
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
+from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..stability.progress import job_store
 from .manifest import CheckpointError
@@ -58,9 +59,28 @@ def describe(rank: int, error: BaseException) -> str | None:
     if isinstance(error, CheckpointError):
         return str(error)
     if isinstance(error, DcpCheckpointException):
-        return "; ".join(f"rank {failed}: {type(exc).__name__}: {first_line(exc)}"
+        world_rank = _world_ranks(error, rank)
+        return "; ".join(f"rank {world_rank(failed)}: {type(exc).__name__}: {first_line(exc)}"
                          for failed, (exc, _) in sorted(error.failures.items())) or None
     return f"rank {rank}: {type(error).__name__}: {first_line(error)}"
+
+
+def _world_ranks(error: DcpCheckpointException, rank: int) -> Callable[[int], int]:
+    """The global rank of each rank torch's checkpoint failure names: they are ranks of the
+    step's own group, held by the ``_DistWrapper`` in the frame that raised it. A step run
+    without one (megatron-core 0.19 reads its common state on each rank alone, ``no_dist``)
+    calls this process rank 0; a subgroup numbers its ranks from 0."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    wrappers = [value for value in (frame.tb_frame.f_locals.values() if frame is not None else ())
+                if isinstance(value, _DistWrapper)]
+    if not wrappers:
+        return lambda failed: failed
+    if not wrappers[0].use_dist:
+        return lambda failed: rank
+    group = wrappers[0].group
+    return lambda failed: failed if group is None else dist.get_global_rank(group, failed)
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> float:

@@ -18,3 +18,18 @@ def test_a_failure_names_the_rank_that_failed_and_its_error():
                                    "rank 1: PermissionError: [Errno 13] Permission denied")
     # megatron-core gathers the failed ranks' errors on one rank; the others' copies name none
     assert describe(2, CheckpointException("write", {})) is None
+
+
+def test_a_step_torch_ran_on_this_process_alone_names_this_rank():
+    """megatron-core 0.19 reads its common state with torch's checkpoint steps on each rank
+    alone (``no_dist``), which call the process rank 0: the failure is this rank's."""
+    import pytest
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    def read():
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(CheckpointException) as raised:
+        _DistWrapper(group=None, use_dist=False, coordinator_rank=0).all_gather("read", read)
+    assert list(raised.value.failures) == [0]
+    assert describe(3, raised.value) == "rank 3: OSError: [Errno 5] Input/output error"
