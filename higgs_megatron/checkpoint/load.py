@@ -419,14 +419,15 @@ def load_checkpoint(training: TrainingState, load_dir: str | Path, recovery_mode
                                   current_layout(training.use_distributed_optimizer), training.vocab)
     if chosen is None:
         return None
-    with same_outcome_everywhere(f"checkpoint {chosen.path} not loaded"), restoring(training.optimizer):
-        state = sharded_training_state(training, is_loading=True, per_rank=not chosen.resharded)
-        check_reshard_plan(chosen, state)
-        loaded = dist_checkpointing.load(state, str(chosen.path))
-        training.model[0].module.load_state_dict(loaded["model"])
-        optimizer_state = loaded["optimizer"]
-        residuals = optimizer_state.pop("higgs_residuals", None)
-        getattr(training.optimizer, "inner", training.optimizer).load_state_dict(optimizer_state)
+    with same_outcome_everywhere(f"checkpoint {chosen.path} not loaded"):
+        with restoring(training.optimizer):
+            state = sharded_training_state(training, is_loading=True, per_rank=not chosen.resharded)
+            check_reshard_plan(chosen, state)
+            loaded = dist_checkpointing.load(state, str(chosen.path))
+            training.model[0].module.load_state_dict(loaded["model"])
+            optimizer_state = loaded["optimizer"]
+            residuals = optimizer_state.pop("higgs_residuals", None)
+            getattr(training.optimizer, "inner", training.optimizer).load_state_dict(optimizer_state)
         if not chosen.resharded:
             restore_rng_state(loaded["rng"])
         training.scheduler.load_state_dict(loaded["scheduler"])

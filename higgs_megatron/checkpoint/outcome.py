@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from ..stability.progress import job_store
 from .manifest import CheckpointError
 
 MARGIN = 60.0  # seconds past the group's timeout, for a rank leaving a collective to count in
@@ -98,7 +97,7 @@ def same_outcome_everywhere(what: str) -> Iterator[None]:
     rank, world = dist.get_rank(), dist.get_world_size()
     name = [secrets.token_hex(4) if rank == 0 else None]
     dist.broadcast_object_list(name, src=0)
-    store = job_store(f"higgs/checkpoint-outcome/{name[0]}/")
+    store = dist.PrefixStore(f"higgs/checkpoint-outcome/{name[0]}/", dist.distributed_c10d._get_default_store())
     timeout = timedelta(seconds=group_timeout() + MARGIN)
     failure: BaseException | None = None
     try:

@@ -1,0 +1,53 @@
+"""The gradient sync's collectives on a torchft process group.
+
+Across elastic replicas, the data-parallel group is torchft's: a wrapper that torchft
+rebuilds in place at every quorum (``configure``), with a plain gloo or NCCL group inside
+(``parent``). ``torch.distributed``'s functions cannot take the wrapper: it is registered with
+no backend, so ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` refuse it, and
+torchft's own gloo wrapper refuses reduce-scatter outright. The group inside takes every
+collective the sync issues. ``ReplicaCollectives`` therefore issues each one on the current
+inner group, through its methods (``allreduce``, ``_reduce_scatter_base``,
+``_allgather_base``, ``alltoall_base``), and counts it like ``wire.Collectives`` counts its
+own. Every path of the sync (dense, sparse all-gather, agreed, sharded) then runs unchanged.
+The inner group is looked up at each call, never kept, since a quorum replaces it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..reduce.wire import Collectives
+
+
+def inner_group(group) -> dist.ProcessGroup:
+    """The group torchft's wrapper holds now (its ``parent``); ``group`` itself if it is a
+    plain one."""
+    return getattr(group, "parent", group)
+
+
+class ReplicaCollectives(Collectives):
+    """``wire.Collectives`` over a torchft group (see the module docstring)."""
+
+    def rank(self, group) -> int:
+        return inner_group(group).rank()
+
+    def issue(self, kind: str, output: torch.Tensor, input: torch.Tensor, group, op, async_op: bool):
+        inner = inner_group(group)
+        if kind == "all_reduce":
+            options = dist.AllreduceOptions()
+            options.reduceOp = op
+            work = inner.allreduce([output], options)
+        elif kind == "reduce_scatter":
+            options = dist.ReduceScatterOptions()
+            options.reduceOp = op
+            work = inner._reduce_scatter_base(output, input, options)
+        elif kind == "all_gather":
+            work = inner._allgather_base(output, input)
+        else:
+            work = inner.alltoall_base(output, input, [], [], dist.AllToAllOptions())
+        if async_op:
+            return work
+        work.wait()
+        return None
+
