@@ -24,6 +24,11 @@ def process_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else launcher_rank()
 
 
+def store_outlives_ranks() -> bool:
+    """Whether the job's store is torchrun's agent's (it outlives every rank), not rank 0's."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def attempt_store(timeout: datetime.timedelta) -> dict:
     """Under torchrun's agent store, a store scoped to this attempt of the job.
 
@@ -31,7 +36,7 @@ def attempt_store(timeout: datetime.timedelta) -> dict:
     rendezvous adds no attempt prefix, so the restarted workers' ``new_group`` rendezvous read
     the dead workers' gloo addresses and fail ("connectFullMesh ... Connection refused").
     Prefixing every key with the restart count gives each attempt its own keys."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not store_outlives_ranks():
         return {}
     rank, world_size = launcher_rank(), launcher_world_size()
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,

@@ -16,10 +16,12 @@ collective it is in:
   so that the rank that has them says it);
 * every rank counts itself in when its work ends, either way; the last one in wakes everyone;
 * a rank still inside a collective a failed rank never joined leaves it when the collective
-  gives up (at once on gloo, whose peer's connection closes when it exits; after the group's
-  timeout on NCCL), counts in, and finds the failure there;
-* every rank raises the same ``CheckpointError``. Rank 0 leaves only once every rank has
-  counted in (or the group's timeout, and a margin, has passed): the store may be its own.
+  gives up (at once on gloo, whose peer's connection closes when the failed rank exits; after
+  the group's timeout on NCCL), counts in, and finds the failure there;
+* every rank raises the same ``CheckpointError``. Where the store is rank 0's own (a launch
+  without torchrun's agent store), rank 0 leaves only once every rank has counted in (or the
+  group's timeout, and a margin, has passed); a failure of rank 0 itself before a collective
+  the others are in then reaches them after the group's timeout, on gloo too.
 
 At most five keys per use stay in the store (a load is once per launch), under a name rank 0 draws,
 so that no earlier launch's keys are read as this one's.
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from ..launcher import store_outlives_ranks
 from .manifest import CheckpointError
 
 MARGIN = 60.0  # seconds past the group's timeout, for a rank leaving a collective to count in
@@ -121,7 +124,7 @@ def same_outcome_everywhere(what: str) -> Iterator[None]:
     if not found:
         return
     said = store.get(found[0]).decode()
-    if rank == 0:
+    if rank == 0 and not store_outlives_ranks():
         try:  # the others may read the failure from this process's store
             store.wait(["all"], timeout)
         except RuntimeError:
