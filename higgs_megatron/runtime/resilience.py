@@ -30,6 +30,7 @@ import time
 from typing import Callable, Iterator
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from ..ddp import HiggsDDP
 from ..logs import get_logger
@@ -57,7 +58,7 @@ class Resilience:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout = step_timeout
         self.restart_timeout = restart_timeout
-        self.injector = FaultInjector(faults, self.rank)
+        self.injector = FaultInjector(faults, self.rank, parallel_state.get_data_parallel_rank())
         self.alignments = AlignmentLog()
         self.max_in_a_row = max_in_a_row
         self.board = self.watchdog = self.store = None

@@ -1,4 +1,5 @@
-"""Faults injected on purpose: ``--inject-fault KIND@RANK:ITER[:SECONDS]``, repeatable.
+"""Faults injected on purpose: ``--inject-fault KIND@RANK:ITER[:SECONDS]``, repeatable (for the
+replica kinds, RANK is the data-parallel replica's index).
 
 * ``hang@R:I:S``  rank R stalls S seconds inside iteration I (before its forward pass), long
   enough for the others' gradient sync to time out: a progress alignment follows.
@@ -13,6 +14,12 @@
 * ``crash@R:I``   rank R dies at the start of iteration I (``os._exit(CRASH_EXIT_CODE)``).
 * ``nan@R:I``     rank R's loss, and so its gradients, are NaN in iteration I: the step is
   skipped on every rank.
+* ``kill-replica@D:I``  every rank of data-parallel replica D (the ranks whose data-parallel
+  index is D: one TP x PP model-parallel group, as a lost node takes it) is killed (SIGKILL)
+  at the start of iteration I.
+* ``stop-replica@D:I:S``  every rank of replica D stops (SIGSTOP) at the start of iteration I
+  and is resumed (SIGCONT) S seconds later by a helper process it started: a replica stuck
+  for a while, as a node under a long kernel stall or a swap storm.
 
 A fault fires once, in the attempt of the job that first reaches its iteration: attempt
 ``TORCHELASTIC_RESTART_COUNT`` = the number of injected crashes and freezes at earlier
@@ -27,13 +34,16 @@ import multiprocessing
 import os
 import re
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 
-KINDS = ("hang", "slow", "freeze", "sigterm", "crash", "nan")
-RESTARTING = ("freeze", "crash")  # faults that end the job's attempt
+KINDS = ("hang", "slow", "freeze", "sigterm", "crash", "nan", "kill-replica", "stop-replica")
+RESTARTING = ("freeze", "crash", "kill-replica")  # faults that end the job's attempt
+REPLICA_KINDS = ("kill-replica", "stop-replica")  # aimed at a data-parallel replica, not a rank
+TIMED = ("hang", "slow", "stop-replica")  # take SECONDS
 CRASH_EXIT_CODE = 43  # distinct from Python's 1 and argparse's 2: "an injected crash"
-_SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<rank>\d+):(?P<iteration>\d+)(?::(?P<seconds>[0-9.]+))?$")
+_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<rank>\d+):(?P<iteration>\d+)(?::(?P<seconds>[0-9.]+))?$")
 
 
 def exit_at_once(code: int) -> None:
@@ -53,7 +63,7 @@ class FaultSpecError(ValueError):
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    rank: int
+    rank: int  # the data-parallel replica's index for REPLICA_KINDS
     iteration: int  # 1-based, as Megatron logs iterations
     seconds: float = 0.0
 
@@ -61,22 +71,29 @@ class Fault:
         return f"{self.kind}@{self.rank}:{self.iteration}" + (f":{self.seconds:g}" if self.seconds else "")
 
 
-def parse_fault(spec: str, world_size: int | None = None) -> Fault:
+def parse_fault(spec: str, world_size: int | None = None, replicas: int | None = None) -> Fault:
+    """``spec`` parsed; ``world_size`` and ``replicas`` (the data-parallel size), where given,
+    bound its rank or replica."""
     match = _SPEC.match(spec.strip())
     if not match:
         raise FaultSpecError(f"--inject-fault {spec!r}: expected KIND@RANK:ITER[:SECONDS] with KIND one of "
-                             f"{', '.join(KINDS)} (e.g. hang@1:5:30)")
+                             f"{', '.join(KINDS)} (e.g. hang@1:5:30; for a replica kind, RANK is the "
+                             "data-parallel replica: kill-replica@1:5)")
     kind, rank, iteration = match["kind"], int(match["rank"]), int(match["iteration"])
     seconds = float(match["seconds"]) if match["seconds"] else 0.0
     if kind not in KINDS:
         raise FaultSpecError(f"--inject-fault {spec!r}: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
     if iteration < 1:
         raise FaultSpecError(f"--inject-fault {spec!r}: iterations count from 1")
-    if kind in ("hang", "slow") and seconds <= 0:
+    if kind in TIMED and seconds <= 0:
         raise FaultSpecError(f"--inject-fault {spec!r}: {kind} needs SECONDS > 0 (e.g. {kind}@{rank}:{iteration}:10)")
-    if kind in ("freeze", "sigterm", "crash", "nan") and match["seconds"]:
+    if kind not in TIMED and match["seconds"]:
         raise FaultSpecError(f"--inject-fault {spec!r}: {kind} takes no SECONDS")
-    if world_size is not None and rank >= world_size:
+    if kind in REPLICA_KINDS:
+        if replicas is not None and rank >= replicas:
+            raise FaultSpecError(f"--inject-fault {spec!r}: replica {rank} does not exist with data-parallel size "
+                                 f"{replicas}")
+    elif world_size is not None and rank >= world_size:
         raise FaultSpecError(f"--inject-fault {spec!r}: rank {rank} does not exist in a world of {world_size}")
     return Fault(kind, rank, iteration, seconds)
 
@@ -84,11 +101,12 @@ def parse_fault(spec: str, world_size: int | None = None) -> Fault:
 class FaultInjector:
     """This rank's faults; the loop calls ``before_step`` at the start of every attempt."""
 
-    def __init__(self, faults: list[Fault], rank: int) -> None:
+    def __init__(self, faults: list[Fault], rank: int, replica: int) -> None:
+        """``rank``: this process's global rank; ``replica``: its data-parallel index."""
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         crashes = sorted({f.iteration for f in faults if f.kind in RESTARTING})
-        self.pending = [f for f in faults
-                        if f.rank == rank and sum(i < f.iteration for i in crashes) == attempt]
+        self.pending = [f for f in faults if f.rank == (replica if f.kind in REPLICA_KINDS else rank)
+                        and sum(i < f.iteration for i in crashes) == attempt]
 
     def before_step(self, iteration: int, on_fire=None) -> Fault | None:
         """Fire this rank's fault for ``iteration`` (1-based). Returns a ``nan`` fault for the
@@ -102,6 +120,14 @@ class FaultInjector:
             on_fire(fault)
         if fault.kind == "crash":
             exit_at_once(CRASH_EXIT_CODE)
+        if fault.kind == "kill-replica":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "stop-replica":
+            # The helper is started first and outlives nothing: it resumes this process and exits.
+            subprocess.Popen(["sh", "-c", f"sleep {fault.seconds:g}; kill -CONT {os.getpid()}"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return None
         if fault.kind in ("freeze", "sigterm"):
             os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "freeze" else signal.SIGTERM)
             return None

@@ -38,8 +38,8 @@ class StabilityConfig:
         "the sync itself), every rank exits with status 75 so that torchrun --max-restarts restarts the job",
         type=int, metavar="K"))
     inject_fault: list[str] | None = field(default=None, metadata=_flag(
-        "--inject-fault", "inject a fault (hang, slow, freeze, sigterm, crash, nan) on a rank at an iteration; "
-        "repeatable", action="append", metavar="KIND@RANK:ITER[:SECONDS]"))
+        "--inject-fault", "inject a fault (hang, slow, freeze, sigterm, crash, nan) on a rank, or (kill-replica, "
+        "stop-replica) on every rank of a data-parallel replica, at an iteration; repeatable", action="append", metavar="KIND@RANK:ITER[:SECONDS]"))
     faults: tuple[Fault, ...] = ()
     """``inject_fault`` parsed."""
 
@@ -79,7 +79,18 @@ def stability_config_from_args(args: argparse.Namespace, world_size: int | None)
     checked by the run config's rules (``runtime.run_config``)."""
     values = field_values(args, StabilityConfig)
     try:
-        faults = tuple(parse_fault(spec, world_size) for spec in values["inject_fault"] or ())
+        faults = tuple(parse_fault(spec, world_size, data_parallel_size(args, world_size))
+                       for spec in values["inject_fault"] or ())
     except FaultSpecError as error:
         raise ValueError(str(error)) from None
     return StabilityConfig(**values, faults=faults)
+
+
+def data_parallel_size(args: argparse.Namespace, world_size: int | None) -> int | None:
+    """The data-parallel size the flags give ``world_size`` ranks (None without a world size)."""
+    if world_size is None:
+        return None
+    model_parallel = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        model_parallel *= getattr(args, name, None) or 1
+    return max(1, world_size // model_parallel)

@@ -2,6 +2,7 @@
 multi-process runs over gloo."""
 
 import json
+import re
 import signal
 
 import pytest
@@ -190,6 +191,42 @@ def test_a_rank_that_never_returns_ends_in_a_restart_and_the_job_finishes(tmp_pa
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert [e["iteration"] for e in loaded] == [4], loaded
     assert max(e["iteration"] for e in events if e["event"] == "replicas_identical") == 8
+
+
+def test_a_killed_replica_restarts_the_job_which_finishes(tmp_path, tiny_gpt_args):
+    """kill-replica@1:5 under TP=2 x DP=2 and torchrun --max-restarts 1: both ranks of replica
+    1 (one model-parallel group, as a lost node takes it) are killed at iteration 5; the job
+    restarts from its checkpoint of 4 and finishes with identical replicas."""
+    save, log = tmp_path / "ckpt", tmp_path / "kill.jsonl"
+    argv = _dense_auto(tiny_gpt_args, tmp_path, "kill", iters=6) + [
+        "--tensor-model-parallel-size", "2", "--save", str(save), "--save-interval", "2", "--auto-resume",
+        "--inject-fault", "kill-replica@1:5", "--check-weight-hash-across-dp-replicas-interval", "1"]
+    argv[argv.index("--log-json") + 1] = str(log)
+    proc = run_pretrain_script(argv, nproc=4, timeout=300, extra_launcher_args=["--max-restarts", "1"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    killed = sorted({int(rank) for rank in re.findall(r"\(exitcode: -9\) local_rank: (\d)", proc.stderr)})
+    assert killed and set(killed) <= {2, 3}, proc.stderr[-4000:]  # torchrun reports the first it sees
+    events = [r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "event"]
+    assert [e["iteration"] for e in events if e["event"] == "checkpoint_loaded"] == [4]
+    assert max(e["iteration"] for e in events if e["event"] == "replicas_identical") == 6
+
+
+def test_a_replica_stopped_for_a_while_is_one_alignment(tmp_path, tiny_gpt_args):
+    """stop-replica@1:3:5 with --higgs-step-timeout 2: replica 1 stops for 5 s at iteration 3
+    and is resumed; rank 0 gives its sync up after 2 s and waits for its vote (within the 12 s
+    restart timeout); every rank drops the step once and the run finishes without a restart,
+    replicas identical."""
+    log = tmp_path / "stop.jsonl"
+    argv = _dense_auto(tiny_gpt_args, tmp_path, "stop", iters=5) + [
+        "--higgs-step-timeout", "2", "--higgs-restart-timeout", "12", "--inject-fault", "stop-replica@1:3:5",
+        "--check-weight-hash-across-dp-replicas-interval", "1"]
+    argv[argv.index("--log-json") + 1] = str(log)
+    proc = run_pretrain_script(argv, nproc=2, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = [r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "event"]
+    assert [e["kind"] for e in events if e["event"] == "fault_injected"] == ["stop-replica"]
+    assert [e["iteration"] for e in events if e["event"] == "progress_alignment"] == [3]
+    assert max(e["iteration"] for e in events if e["event"] == "replicas_identical") == 5
 
 
 def test_a_straggler_on_every_attempt_ends_in_a_restart_after_k_alignments(tmp_path, tiny_gpt_args):

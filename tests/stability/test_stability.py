@@ -14,11 +14,26 @@ def test_fault_specs_parse():
     assert parse_fault("slow@0:2:0.5") == Fault("slow", 0, 2, 0.5)
     assert parse_fault("crash@3:10") == Fault("crash", 3, 10)
     assert str(parse_fault("nan@1:4")) == "nan@1:4"
+    assert parse_fault("kill-replica@1:5") == Fault("kill-replica", 1, 5)
+    assert parse_fault("stop-replica@1:5:20") == Fault("stop-replica", 1, 5, 20.0)
+
+
+def test_a_replica_fault_fires_on_every_rank_of_that_replica_and_no_other():
+    """TP=2 x DP=2: ranks 0, 1 are replica 0 and ranks 2, 3 replica 1 (Megatron's order)."""
+    from higgs_megatron.stability.faults import FaultInjector
+
+    faults = [parse_fault("kill-replica@1:5"), parse_fault("hang@0:3:1")]
+    fired = {rank: [f.kind for f in FaultInjector(faults, rank, replica=rank // 2).pending] for rank in range(4)}
+    assert fired == {0: ["hang"], 1: [], 2: ["kill-replica"], 3: ["kill-replica"]}
 
 
 @pytest.mark.parametrize("spec,message", [
     ("hang@1", "expected KIND@RANK:ITER[:SECONDS]"),
-    ("stall@1:2:3", "unknown kind 'stall'; expected one of hang, slow, freeze, sigterm, crash, nan"),
+    ("stall@1:2:3", "unknown kind 'stall'; expected one of hang, slow, freeze, sigterm, crash, nan, kill-replica, "
+                    "stop-replica"),
+    ("stop-replica@1:2", "stop-replica needs SECONDS > 0"),
+    ("kill-replica@1:2:5", "kill-replica takes no SECONDS"),
+    ("kill-replica@2:2", "replica 2 does not exist with data-parallel size 2"),
     ("freeze@1:2:3", "freeze takes no SECONDS"),
     ("hang@1:2", "hang needs SECONDS > 0"),
     ("crash@0:2:5", "crash takes no SECONDS"),
@@ -27,7 +42,7 @@ def test_fault_specs_parse():
 ])
 def test_bad_fault_specs_are_named(spec, message):
     with pytest.raises(FaultSpecError) as info:
-        parse_fault(spec, world_size=2)
+        parse_fault(spec, world_size=2, replicas=2)
     assert f"--inject-fault {spec!r}" in str(info.value) and message in str(info.value)
 
 
@@ -35,6 +50,8 @@ def test_bad_fault_specs_are_named(spec, message):
     (["--higgs-step-timeout", "5"], "--higgs-step-timeout: needs --use-higgs"),
     (["--use-higgs", "--higgs-step-timeout", "0"], "--higgs-step-timeout must be positive, got 0.0"),
     (["--inject-fault", "hang@9:1:1"], "rank 9 does not exist in a world of 2"),
+    (["--inject-fault", "kill-replica@1:1", "--tensor-model-parallel-size", "2"],
+     "replica 1 does not exist with data-parallel size 1"),
     (["--auto-resume"], "--auto-resume: needs --save DIR"),
     (["--exit-interval", "0"], "--exit-interval must be 1 or more, got 0"),
     (["--exit-duration-in-mins", "-1"], "--exit-duration-in-mins must be positive, got -1.0"),
