@@ -11,20 +11,25 @@ need. So the failure goes through the job's store, which every rank reaches what
 collective it is in:
 
 * a rank whose work raised records ``rank R: <error>`` unless a rank did first
-  (``compare_set``), and wakes every waiting rank (a rank holding torch's checkpoint failure
-  without the failed ranks' errors, which megatron-core gathers on one rank, only counts in,
-  so that the rank that has them says it);
-* every rank counts itself in when its work ends, either way; the last one in wakes everyone;
-* a rank still inside a collective a failed rank never joined leaves it when the collective
-  gives up (at once on gloo, whose peer's connection closes when the failed rank exits; after
-  the group's timeout on NCCL), counts in, and finds the failure there;
-* every rank raises the same ``CheckpointError``. Where the store is rank 0's own (a launch
-  without torchrun's agent store), rank 0 leaves only once every rank has counted in (or the
-  group's timeout, and a margin, has passed); a failure of rank 0 itself before a collective
-  the others are in then reaches them after the group's timeout, on gloo too.
+  (``compare_set``; a rank holding torch's checkpoint failure without the failed ranks'
+  errors, which megatron-core gathers on one rank, records it apart, so that the rank that
+  has them says it), and whether its failure was its own (``agreed``: torch's checkpoint
+  steps and our own agreements raise on every rank at the same point; anything else is one
+  rank's);
+* every rank counts itself in when its work ends, either way, and waits until every rank
+  has, except a rank whose failure was its own: it leaves at once, since the others may be
+  in a collective it never joined, which gives up sooner once it is gone (at once on gloo,
+  whose connection to it closes; after the group's timeout on NCCL). They then count in;
+* every rank raises the same error: ``CheckpointError``, or ``RanksOutOfStep`` where some
+  rank's failure was its own (the ranks' collective sequences may differ: the run cannot
+  go on, where a failed save is otherwise tolerated). Where the store is rank 0's own (a
+  launch without torchrun's agent store), rank 0 leaves only once every rank has read the
+  failure (or the group's timeout, and a margin, has passed), so a failure of rank 0 itself
+  before a collective the others are in reaches them after the group's timeout, on gloo too.
 
-At most five keys per use stay in the store (a load is once per launch), under a name rank 0 draws,
-so that no earlier launch's keys are read as this one's.
+Each use's keys are under a name rank 0 draws, so that no earlier use's or launch's keys are
+read as this one's; rank 0 deletes them at the next use (every rank has left the previous one
+by then), so at most one use's keys (seven) stay in the store.
 """
 
 from __future__ import annotations
@@ -38,12 +43,15 @@ import torch
 import torch.distributed as dist
 # torch's checkpoint failure is a BaseException: name it, or it escapes the agreement.
 from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
+from torch.distributed import DistStoreError
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..launcher import store_outlives_ranks
 from .manifest import CheckpointError
 
 MARGIN = 60.0  # seconds past the group's timeout, for a rank leaving a collective to count in
+_KEYS = ("count", "all", "failed", "unnamed", "out-of-step", "read", "seen")
+_previous: list[str] = []  # rank 0: the last use's prefix, whose keys the next use deletes
 
 
 def first_line(error: BaseException) -> str:
@@ -67,22 +75,29 @@ def describe(rank: int, error: BaseException) -> str | None:
     return f"rank {rank}: {type(error).__name__}: {first_line(error)}"
 
 
-def _world_ranks(error: DcpCheckpointException, rank: int) -> Callable[[int], int]:
-    """The global rank of each rank torch's checkpoint failure names: they are ranks of the
-    step's own group, held by the ``_DistWrapper`` in the frame that raised it. A step run
-    without one (megatron-core 0.19 reads its common state on each rank alone, ``no_dist``)
-    calls this process rank 0; a subgroup numbers its ranks from 0."""
+def _step_wrapper(error: DcpCheckpointException) -> _DistWrapper | None:
+    """The ``_DistWrapper`` in the frame that raised torch's checkpoint failure (its step's
+    group, and whether it ran over one at all); None where it came from elsewhere
+    (megatron-core raises it itself once it has gathered every rank's outcome)."""
     frame = error.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
     wrappers = [value for value in (frame.tb_frame.f_locals.values() if frame is not None else ())
                 if isinstance(value, _DistWrapper)]
-    if not wrappers:
+    return wrappers[0] if wrappers else None
+
+
+def _world_ranks(error: DcpCheckpointException, rank: int) -> Callable[[int], int]:
+    """The global rank of each rank torch's checkpoint failure names: they are ranks of the
+    step's own group (``_step_wrapper``). A step run without one (megatron-core 0.19 reads its
+    common state on each rank alone, ``no_dist``) calls this process rank 0; a subgroup
+    numbers its ranks from 0."""
+    wrapper = _step_wrapper(error)
+    if wrapper is None:
         return lambda failed: failed
-    if not wrappers[0].use_dist:
+    if not wrapper.use_dist:
         return lambda failed: rank
-    group = wrappers[0].group
-    return lambda failed: failed if group is None else dist.get_global_rank(group, failed)
+    return lambda failed: failed if wrapper.group is None else dist.get_global_rank(wrapper.group, failed)
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> float:
@@ -92,41 +107,71 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> float:
     return group._get_backend(device).options._timeout.total_seconds()
 
 
+class RanksOutOfStep(CheckpointError):
+    """A failure that only some ranks raised inside collective work: a rank that failed alone
+    skipped collectives the others entered (and left only when those gave up), so the ranks'
+    collective sequences may differ from here on. Nothing was committed or restored, but the
+    run cannot go on: a save failure that would otherwise be tolerated ends it."""
+
+
+def agreed(error: BaseException) -> bool:
+    """Whether every rank raised ``error`` at the same collective point: torch's checkpoint
+    steps run over a group gather every rank's outcome before raising (one run on this rank
+    alone, ``no_dist``, does not), and our own agreements raise the same ``CheckpointError``
+    everywhere (one that wraps a local error is as local as its cause)."""
+    cause = error.__cause__ if isinstance(error, CheckpointError) and error.__cause__ is not None else error
+    if isinstance(cause, DcpCheckpointException):
+        wrapper = _step_wrapper(cause)
+        return wrapper is None or wrapper.use_dist
+    return isinstance(cause, CheckpointError) and not isinstance(cause, RanksOutOfStep)
+
+
 @contextmanager
 def same_outcome_everywhere(what: str) -> Iterator[None]:
     """Run the body on every rank (collective); if it raises on any rank, every rank raises
-    ``CheckpointError("<what>: rank R: <error>")`` for the first rank that failed (see the
-    module docstring)."""
+    ``CheckpointError("<what>: rank R: <error>")`` for the first rank that failed, and
+    ``RanksOutOfStep`` where some rank's failure was its own (see the module docstring)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     name = [secrets.token_hex(4) if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    store = dist.PrefixStore(f"higgs/checkpoint-outcome/{name[0]}/", dist.distributed_c10d._get_default_store())
+    dist.broadcast_object_list(name, src=0)  # every rank has left the previous use: its keys can go
+    prefix, base = f"higgs/checkpoint-outcome/{name[0]}/", dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        for key in (old + key for old in _previous for key in _KEYS):
+            base.delete_key(key)
+        _previous[:] = [prefix]
+    store = dist.PrefixStore(prefix, base)
     timeout = timedelta(seconds=group_timeout() + MARGIN)
     failure: BaseException | None = None
     try:
         yield
     except (Exception, DcpCheckpointException) as error:  # noqa: BLE001 - raised below, on every rank
         failure, said = error, describe(rank, error)
-        if said is None:  # it names no rank: another rank's copy does; this one counts in
+        if not agreed(error):
+            store.set("out-of-step", "")
+        if said is None:  # it names no rank: another rank's copy does
             store.compare_set("unnamed", "", f"rank {rank}: {type(error).__name__}: {first_line(error)}")
         else:
             store.compare_set("failed", "", said)
-            store.set("done", "")
     if store.add("count", 1) == world:
         store.set("all", "")
-        store.set("done", "")
-    try:
-        store.wait(["done"], timeout)
-    except RuntimeError as error:  # the store's own timeout
-        raise CheckpointError(f"{what}: not every rank finished within {timeout.total_seconds():g}s") from error
-    # "done" comes after "failed" is written, or once every rank (and so every "unnamed") is in
+    if failure is None or agreed(failure):
+        # A rank that failed alone leaves at once: the others may be in a collective it never
+        # joined, which gives up sooner once it is gone (gloo); they count in, then read.
+        try:
+            store.wait(["all"], timeout)
+        except DistStoreError as error:  # its timeout (a store gone raises DistNetworkError)
+            raise RanksOutOfStep(f"{what}: not every rank finished within {timeout.total_seconds():g}s") from error
     found = [key for key in ("failed", "unnamed") if store.check([key])]
     if not found:
         return
     said = store.get(found[0]).decode()
+    out_of_step = store.check(["out-of-step"])
+    if store.add("read", 1) == world:
+        store.set("seen", "")
     if rank == 0 and not store_outlives_ranks():
-        try:  # the others may read the failure from this process's store
-            store.wait(["all"], timeout)
-        except RuntimeError:
+        try:  # the others read the failure from this process's store: it leaves last
+            store.wait(["seen"], timeout)
+        except DistStoreError:
             pass
-    raise CheckpointError(f"{what}: {said}") from failure
+    raise (RanksOutOfStep if out_of_step else CheckpointError)(f"{what}: {said}") from failure
+

@@ -16,15 +16,16 @@ and then call ``commit``. All ranks take part, at the same iteration:
    listing of the directory), from one handle each (``manifest.file_record``). A failure on
    any rank in steps 2 and 3 is raised on every rank (``outcome.same_outcome_everywhere``:
    through the store, since a rank can fail alone before a collective the others are in),
-   and nothing is committed.
+   and nothing is committed; a failure only some ranks raised (``RanksOutOfStep``) ends the
+   run, since their collectives may be out of step.
 4. ``commit``: every rank's record (host, coordinates, files with SHA-256, shards held) is
    gathered on rank 0 (not on every rank: records grow with the job). Rank 0
    writes ``rank_map.json`` durably into the directory that holds the files, fsyncs that
    directory, and, for a ``.tmp`` save, puts it at ``iter_NNNNNNN`` (``durable.replace_dir``:
    an existing one is swapped out in one step, never removed first), fsyncs the save
    directory, then replaces ``latest`` (temporary file, fsync, rename, directory fsync) and
-   removes the oldest committed checkpoints beyond ``keep_last``. Its outcome (an error on any
-   rank, or its own) is broadcast: every rank raises the same ``CheckpointError``, or none. A
+   removes the oldest committed checkpoints beyond ``keep_last``. Its outcome (its own error,
+   if any) is broadcast: every rank raises the same ``CheckpointError``, or none. A
    checkpoint written in place (Megatron-LM's own save, which moves its own tracker) is
    committed by its rank map and the directory fsyncs.
 

@@ -30,6 +30,8 @@ import time
 from typing import Callable, Iterator
 
 import torch.distributed as dist
+# torch's checkpoint failure is a BaseException
+from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 from megatron.core import parallel_state
 
 from ..ddp import HiggsDDP
@@ -65,8 +67,9 @@ class Resilience:
         self.attempt_started = 0.0
         self.before_orderly_restart: Callable[[], object] | None = None
         """Set by the front-end: what it finishes when every rank leaves for a restart at the
-        same point, none stuck (too many alignments in a row): an asynchronous save in flight
-        is committed, so the restart resumes from it rather than from the one before."""
+        same point, none stuck (too many alignments in a row): an asynchronous save whose
+        writers are done on every rank is committed (one collective check, never a wait for
+        a writer), so the restart resumes from it rather than from the one before."""
         if self.timeout is None:
             return
         # Keys of an earlier attempt of a restarted job, or of an earlier Trainer in this process
@@ -115,7 +118,8 @@ class Resilience:
         return self.injector.before_step(iteration, on_fire=self._fired)
 
     def _fired(self, fault: Fault) -> None:
-        log.info(f" [rank {self.rank}] injecting fault {fault} at iteration {fault.iteration}")
+        """Every rank a fault fires on says so (a warning: the run is disturbed on purpose)."""
+        log.warning(f" [rank {self.rank}] injecting fault {fault} at iteration {fault.iteration}")
         self.log.event("fault_injected", fault=str(fault), kind=fault.kind, rank=fault.rank,
                        iteration=fault.iteration)
 
@@ -167,21 +171,23 @@ class Resilience:
                            f"{self.alignments.too_often / 60:.0f} minutes: the cluster needs attention "
                            "(links, NICs, memory pressure)", iteration=iteration)
         if self.alignments.in_a_row >= self.max_in_a_row:  # every rank saw the same verdicts: all leave here
-            self._finish_before_restart()
+            self._finish_before_restart(iteration)
             self.restart(f"{self.alignments.in_a_row} progress alignments in a row at iteration {iteration}, no step "
                          f"kept between them (--higgs-max-alignments-in-a-row {self.max_in_a_row}; the last: "
                          f"{verdict.cause}): a rank misses --higgs-step-timeout {self.timeout:g}s on every attempt, "
                          "or the timeout is shorter than the sync itself")
         return True
 
-    def _finish_before_restart(self) -> None:
-        """``before_orderly_restart``, if set (collective: every rank is here); a failure of it
-        is logged, and the restart goes on."""
+    def _finish_before_restart(self, iteration: int) -> None:
+        """``before_orderly_restart``, if set (collective: every rank is here), in phase
+        ``checkpoint`` (the watchdog lets a commit be); a failure of it is logged, and the
+        restart goes on."""
         if self.before_orderly_restart is None:
             return
+        self.phase(iteration, "checkpoint")
         try:
             self.before_orderly_restart()
-        except Exception as error:  # noqa: BLE001 - the restart is what matters now
+        except (Exception, DcpCheckpointException) as error:  # noqa: BLE001 - the restart is what matters now
             log.warning(f" [rank {self.rank}] before the restart: {type(error).__name__}: {error}")
 
     def close(self, iteration: int) -> None:

@@ -31,6 +31,7 @@ from megatron.core.utils import check_param_hashes_across_dp_replicas, get_model
 from ..callbacks import Callback, callbacks_from_args
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.manifest import CheckpointError
+from ..checkpoint.outcome import RanksOutOfStep
 from ..checkpoint.async_save import AsyncCheckpointer
 from ..checkpoint.save import SaveResult, save_checkpoint
 from ..checkpoint.state import TrainingState, torch_optimizers
@@ -119,7 +120,7 @@ class Trainer:
         self.consumed_samples = 0
         self.checkpointer = AsyncCheckpointer() if run.checkpoint.async_checkpoint else None
         if self.checkpointer is not None:
-            self.runtime.resilience.before_orderly_restart = lambda: self._committed(self.checkpointer.wait)
+            self.runtime.resilience.before_orderly_restart = lambda: self._committed(self.checkpointer.poll)
         if run.checkpoint.load:
             self._load()
         self._saved_at = self.iteration
@@ -259,12 +260,14 @@ class Trainer:
         rank (its begin, a write, an async save's host copy, rank 0's commit: each raised on
         every rank) committed nothing and cost the run no state, so training goes on and the
         next save tries again (event ``checkpoint_failed``); a second failure in a row, or a
-        failed last save, ends the run (``CheckpointError``, exit status 3)."""
+        failed last save, ends the run (``CheckpointError``, exit status 3), as does a failure
+        only some ranks raised, after which their collectives may be out of step
+        (``RanksOutOfStep``)."""
         try:
             results = finish()
         except CheckpointError as error:
             self.failed_saves += 1
-            if last_chance or self.failed_saves >= FAILED_SAVES_TO_STOP:
+            if last_chance or self.failed_saves >= FAILED_SAVES_TO_STOP or isinstance(error, RanksOutOfStep):
                 raise
             self.log.event("checkpoint_failed", f" WARNING: {error}; the latest committed checkpoint stays the "
                            "latest; training goes on and the next save tries again", iteration=self.iteration,

@@ -116,7 +116,7 @@ MEGATRON_LM_SYMBOLS = _ENTRY + (
     Symbol(f"{_T}:checkpoint_and_decide_exit", ("model", "optimizer", "opt_param_scheduler", "iteration"),
            "rebound with --checkpoint-interval"),
     Symbol(f"{_T}:maybe_finalize_async_save", ("blocking",),
-           "called: an async save in flight commits before the ranks leave together for a restart"),
+           "called: an async save whose writers are done commits before the ranks leave together for a restart"),
 )
 
 
@@ -228,9 +228,9 @@ def _get_megatron_optimizer(config: Any, model_chunks: list, *args: Any, **kwarg
     optimizer = original(training, "get_megatron_optimizer")(config, model_chunks, *args, **kwargs)
     events = MetricsLogger(is_writer=dist.get_rank() == dist.get_world_size() - 1, callbacks=[MegatronLMWriters()])
     _runtime = attach(model_chunks, optimizer, _run, events)
-    # Megatron-LM's async save in flight commits (its finalization commits our rank map too)
-    # before the ranks leave together for a restart.
-    _runtime.resilience.before_orderly_restart = lambda: training.maybe_finalize_async_save(blocking=True)
+    # Megatron-LM's async save in flight, if its writers are done, commits (its finalization
+    # commits our rank map too) before the ranks leave together for a restart.
+    _runtime.resilience.before_orderly_restart = lambda: training.maybe_finalize_async_save(blocking=False)
     _steps = StepRunner(_runtime)
     atexit.register(_runtime.close)
     return _runtime.optimizer

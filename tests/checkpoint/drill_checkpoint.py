@@ -12,7 +12,7 @@ import torch
 from higgs_megatron.checkpoint.manifest import MANIFEST_NAME, Manifest, committed_checkpoints, verify_files
 from higgs_megatron.checkpoint.load import _intersection_volume
 from higgs_megatron_bench.ranks import RankFailure, run_pretrain_script, run_ranks
-from tests.workers.checkpoint import load_failing_on_rank_1, optimizer_state_both_ways
+from tests.workers.checkpoint import load_failing_on_rank_1, optimizer_state_both_ways, save_failing_on_rank_1_alone
 from tests.workers.common import run_trainer
 
 
@@ -247,8 +247,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ti
 
 
 def test_a_load_failing_on_one_rank_raises_the_same_error_on_every_rank(tmp_path, tiny_gpt_args):
-    """Rank 1's part of a load fails: before the collectives the other rank goes into, inside
-    torch's collective read, or after the last collective (its model refuses the state, where
+    """Rank 1's part of a load fails: before the collectives the other rank goes into, in
+    torch's read of its files (on megatron-core 0.19 each rank reads alone, before them too),
+    or after the last collective (its model refuses the state, where
     the other rank would otherwise train on and hang in the first gradient reduction). Every
     rank raises the same ``CheckpointError`` naming rank 1 and its error, and none waits for
     the group's timeout (minutes) to learn it."""
@@ -262,6 +263,22 @@ def test_a_load_failing_on_one_rank_raises_the_same_error_on_every_rank(tmp_path
         assert outs[0]["error"] == outs[1]["error"], (where, outs)
         assert re.fullmatch(rf"checkpoint {re.escape(str(tmp_path / 'iter_0000002'))} not loaded: {cause}",
                             outs[0]["error"] or ""), (where, outs)
+
+
+def test_a_save_failing_on_one_rank_alone_ends_the_run_on_every_rank(tmp_path, tiny_gpt_args):
+    """Rank 1 cannot read back its files to hash them, while rank 0 goes on into megatron-core's
+    finalization collectives: a failure one rank raised alone, after which the ranks'
+    collectives may be out of step. Where a failed save is otherwise tolerated, this one ends
+    the run: both ranks raise ``RanksOutOfStep`` naming rank 1 and its error (rank 0 as soon as
+    its collective gives up on the gone rank), and nothing is committed."""
+    argv = tiny_gpt_args + COMMON + ["--train-iters", "4", "--save", str(tmp_path), "--save-interval", "2"]
+    outs = run_ranks(save_failing_on_rank_1_alone, 2, args=(argv,), timeout=120)
+    for out in outs:
+        kind, message = out["error"]
+        assert kind == "RanksOutOfStep" and re.fullmatch(
+            rf"checkpoint {re.escape(str(tmp_path))}/iter_0000002\.[0-9a-f-]+\.tmp not committed: rank 1: "
+            r"OSError: \[Errno 5\] Input/output error", message), out
+    assert committed_checkpoints(tmp_path) == [] and not (tmp_path / "latest").exists()
 
 
 def test_the_checkpoint_tool_inspects_verifies_and_plans_offline(tmp_path, tiny_gpt_args, capsys):
@@ -369,9 +386,15 @@ def test_two_jobs_saving_into_one_directory_leave_each_others_files_alone(tmp_pa
     save = tmp_path / "ckpt"
     common = tiny_gpt_args + COMMON + ["--save", str(save)]
     job_a: dict = {}
-    thread = threading.Thread(target=lambda: job_a.update(out=run_ranks(
-        run_trainer, 2, args=(common + ["--save-interval", "2", "--train-iters", "4"], None, None, None, None,
-                              (2, str(flag))), timeout=200)))
+
+    def run_job_a() -> None:
+        try:
+            job_a["out"] = run_ranks(run_trainer, 2, args=(common + ["--save-interval", "2", "--train-iters", "4"],
+                                                           None, None, None, None, (2, str(flag))), timeout=300)
+        except RankFailure as failure:
+            job_a["error"] = str(failure)
+
+    thread = threading.Thread(target=run_job_a)
     thread.start()
     try:
         deadline = time.monotonic() + 120
@@ -384,7 +407,7 @@ def test_two_jobs_saving_into_one_directory_leave_each_others_files_alone(tmp_pa
     finally:
         flag.touch()
         thread.join()
-    assert "out" in job_a, "job A failed"
+    assert "out" in job_a, job_a.get("error", "job A did not finish")[-4000:]
     assert committed_checkpoints(save) == [1, 2, 4] and (save / "latest").read_text() == "4\n"
     launches = {}
     for iteration in (1, 2, 4):

@@ -33,3 +33,29 @@ def test_a_step_torch_ran_on_this_process_alone_names_this_rank():
         _DistWrapper(group=None, use_dist=False, coordinator_rank=0).all_gather("read", read)
     assert list(raised.value.failures) == [0]
     assert describe(3, raised.value) == "rank 3: OSError: [Errno 5] Input/output error"
+
+
+def test_a_failure_every_rank_raised_together_is_told_from_one_rank_raised_alone():
+    """Our own agreements and torch's steps over a group raise on every rank at one point;
+    an error of this rank's, a step torch ran on this rank alone, or our error wrapping a local
+    one do not."""
+    import pytest
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    from higgs_megatron.checkpoint.outcome import RanksOutOfStep, agreed
+
+    def read():
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(CheckpointException) as alone:
+        _DistWrapper(group=None, use_dist=False, coordinator_rank=0).all_gather("read", read)
+    assert not agreed(alone.value) and not agreed(OSError(5, "Input/output error"))
+    assert agreed(CheckpointError("cannot be resharded")) and agreed(CheckpointException("write", {}))
+    try:
+        try:
+            raise OSError(5, "Input/output error")
+        except OSError as local:
+            raise CheckpointError("rank 1: OSError") from local
+    except CheckpointError as wrapped:
+        assert not agreed(wrapped)
+    assert not agreed(RanksOutOfStep("rank 1: OSError"))

@@ -17,6 +17,7 @@ def test_the_sync_runs_on_torchfts_group_as_on_a_plain_one_across_a_rebuild():
     group, on 3 ranks, in two quorums in a row (torchft rebuilds the group in between)."""
     outs = run_ranks(sync_on_a_torchft_group, 3, timeout=180)
     for rank, out in enumerate(outs):
+        assert "pass torchft's ProcessGroupGloo or ProcessGroupNCCL" in out["refused"]
         for quorum in ("quorum 1", "quorum 2"):
             assert out[quorum].keys() == out["plain"].keys()
             for name, value in out["plain"].items():

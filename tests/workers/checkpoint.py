@@ -85,3 +85,34 @@ def load_failing_on_rank_1(argv: list[str], where: str) -> dict:
         except CheckpointError as raised:
             error = str(raised)
     return {"error": error}
+
+
+def save_failing_on_rank_1_alone(argv: list[str]) -> dict:
+    """Train with a synchronous save at iteration 2 whose hashing of rank 1's files fails on
+    rank 1 alone (an I/O error while it reads them back), before megatron-core's finalization
+    collectives rank 0 goes into. Each rank's error: its class and message."""
+    import torch.distributed as dist
+
+    from higgs_megatron.checkpoint import save as save_module
+    from higgs_megatron.checkpoint.manifest import CheckpointError
+    from higgs_megatron.training.arguments import parse_args
+    from higgs_megatron.training.launch import training_environment
+    from higgs_megatron.training.loop import Trainer
+
+    hash_files = save_module.hash_files
+
+    def failing(paths):
+        if dist.get_rank() == 1 and paths:
+            raise OSError(5, "Input/output error")
+        return hash_files(paths)
+
+    save_module.hash_files = failing
+    args = parse_args(argv)
+    with training_environment(args):
+        trainer = Trainer(args)
+        try:
+            trainer.train()
+            error = None
+        except CheckpointError as raised:
+            error = (type(raised).__name__, str(raised))
+    return {"error": error}

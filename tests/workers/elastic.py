@@ -16,7 +16,7 @@ def sync_on_a_torchft_group() -> dict:
     from torchft.process_group import ProcessGroupGloo
 
     from higgs_megatron.compress.compressor import BucketPlan, ParamSlot, make_selector, pack_with_feedback
-    from higgs_megatron.elastic.collectives import ReplicaCollectives
+    from higgs_megatron.elastic.collectives import ReplicaCollectives, inner_group
     from higgs_megatron.reduce.sparse_allreduce import launch_sparse_allreduce
     from higgs_megatron.reduce.wire import Collectives
 
@@ -55,5 +55,9 @@ def sync_on_a_torchft_group() -> dict:
     for quorum in (1, 2):  # a quorum's rebuild replaces the group inside the wrapper
         replicas.configure(f"{store}/{quorum}", f"replica_{rank}", rank, world, quorum_id=quorum)
         out[f"quorum {quorum}"] = run(ReplicaCollectives(), replicas)
+    try:  # the Manager's own wrapper around torchft's group is refused, naming what to pass
+        inner_group(type("Managed", (), {"parent": replicas})())
+    except TypeError as error:
+        out["refused"] = str(error)
     dist.destroy_process_group()
     return out
