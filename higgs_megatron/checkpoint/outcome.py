@@ -39,11 +39,10 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Callable, Iterator
 
-import torch
 import torch.distributed as dist
 # torch's checkpoint failure is a BaseException: name it, or it escapes the agreement.
-from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 from torch.distributed import DistStoreError
+from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..launcher import store_outlives_ranks
@@ -100,13 +99,6 @@ def _world_ranks(error: DcpCheckpointException, rank: int) -> Callable[[int], in
     return lambda failed: failed if wrapper.group is None else dist.get_global_rank(wrapper.group, failed)
 
 
-def group_timeout(group: dist.ProcessGroup | None = None) -> float:
-    """Seconds after which a collective of ``group`` (the default one) gives up."""
-    group = group or dist.distributed_c10d._get_default_group()
-    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-    return group._get_backend(device).options._timeout.total_seconds()
-
-
 class RanksOutOfStep(CheckpointError):
     """A failure that only some ranks raised inside collective work: a rank that failed alone
     skipped collectives the others entered (and left only when those gave up), so the ranks'
@@ -140,7 +132,8 @@ def same_outcome_everywhere(what: str) -> Iterator[None]:
             base.delete_key(key)
         _previous[:] = [prefix]
     store = dist.PrefixStore(prefix, base)
-    timeout = timedelta(seconds=group_timeout() + MARGIN)
+    # The default store's timeout is the default group's (init_process_group gives both the same)
+    timeout = base.timeout + timedelta(seconds=MARGIN)
     failure: BaseException | None = None
     try:
         yield

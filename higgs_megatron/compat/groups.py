@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import torch
 import torch.distributed as dist
 
 
@@ -49,3 +50,15 @@ def replace_groups(holders: Iterable[Any], replacement: dict[int, tuple[dist.Pro
                 value.update({key: swapped(item) for key, item in value.items()})
             elif swapped(value) is not value:
                 setattr(holder, name, swapped(value))
+
+
+def backend_options(group: dist.ProcessGroup):
+    """The options ``group``'s backend was made with (its timeout; on NCCL its configuration
+    and stream priority), read from the backend of the device it serves."""
+    device = torch.device("cuda" if group._get_backend_name() == "nccl" else "cpu")  # an aborted group's too
+    return group._get_backend(device).options
+
+
+def group_timeout(group: dist.ProcessGroup) -> float:
+    """Seconds after which a collective of ``group`` gives up."""
+    return backend_options(group)._timeout.total_seconds()

@@ -40,11 +40,10 @@ import time
 from datetime import timedelta
 from typing import Any, Iterable
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from ..compat.groups import group_holders, replace_groups
+from ..compat.groups import backend_options, group_holders, group_timeout, replace_groups
 from ..reduce.wire import still_pending
 from ..logs import get_logger
 
@@ -127,18 +126,14 @@ def group_identity(group: dist.ProcessGroup) -> Identity:
     """What every rank must agree on to create ``group``'s replacement: its ranks, backend,
     timeout and description (``group_desc``: Megatron names its groups, and NCCL's logs and
     flight recorder show the name)."""
-    backend = dist.get_backend(group)
-    options = group._get_backend(torch.device("cuda" if backend == "nccl" else "cpu")).options
-    return (tuple(dist.get_process_group_ranks(group)), backend, options._timeout.total_seconds(),
+    return (tuple(dist.get_process_group_ranks(group)), dist.get_backend(group), group_timeout(group),
             group.group_desc)
 
 
 def group_options(group: dist.ProcessGroup):
     """The options ``group`` was made with, for its replacement: NCCL's (its configuration,
     high-priority stream); None for gloo, which takes none through ``new_group``."""
-    if dist.get_backend(group) != "nccl":
-        return None
-    return group._get_backend(torch.device("cuda")).options
+    return backend_options(group) if dist.get_backend(group) == "nccl" else None
 
 
 def _every_ranks_groups(mine: set[Identity], store: dist.Store, attempt: int, timeout: float) -> list[Identity]:

@@ -69,6 +69,8 @@ def reachable_groups(trainer) -> list[tuple[str, float, bool]]:
     from megatron.core import parallel_state
     from torch.distributed import distributed_c10d
 
+    from higgs_megatron.compat.groups import group_timeout
+
     seen, found, todo = set(), {}, [trainer.model, trainer.optimizer, vars(parallel_state)]
     skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.Tensor)
     while todo:
@@ -80,10 +82,7 @@ def reachable_groups(trainer) -> list[tuple[str, float, bool]]:
             found[id(value)] = value
             continue
         todo.extend(gc.get_referents(value))
-    def timeout(group) -> float:
-        device = torch.device("cuda" if group._get_backend_name() == "nccl" else "cpu")
-        return group._get_backend(device).options._timeout.total_seconds()
-    return sorted((group.group_desc, timeout(group), group in distributed_c10d._world.pg_map)
+    return sorted((group.group_desc, group_timeout(group), group in distributed_c10d._world.pg_map)
                   for group in found.values())
 
 
