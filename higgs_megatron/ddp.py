@@ -85,6 +85,7 @@ from .compress.compressor import BucketPlan, ParamSlot, ResidualBuffer, Selector
 from .config import HiggsConfig
 from .cost_model import LinkCosts
 from .device import DeviceTimer, collective_device
+from .elastic.collectives import ReplicaCollectives, ReplicaGroup
 from .expert_bias import KeptExpertBias
 from .grad_paths import DensitySchedule, StepLaunch
 from .reduce.cast_reduce import PendingCastReduce
@@ -101,11 +102,13 @@ def dense_bytes_per_step(model: DistributedDataParallel) -> int:
                for group in model.bucket_groups + model.expert_parallel_bucket_groups for bucket in group.buckets)
 
 
-def megatron_dense_wire(group: _ParamAndGradBucketGroup, grad: torch.Tensor) -> float:
+def megatron_dense_wire(group: _ParamAndGradBucketGroup, grad: torch.Tensor, world: int | None = None) -> float:
     """Ring wire bytes per rank of Megatron's own reduction of ``grad``, a bucket of ``group``
-    (``reduce.wire.dense_wire_bytes`` over the group Megatron reduces it over)."""
+    (``reduce.wire.dense_wire_bytes`` over the group Megatron reduces it over, or over ``world``
+    ranks where given: elastic replicas, whose group is torchft's)."""
     distopt = group.ddp_config.use_distributed_optimizer
-    world = group.intra_distributed_optimizer_instance_size if distopt else group.data_parallel_group.size()
+    if world is None:
+        world = group.intra_distributed_optimizer_instance_size if distopt else group.data_parallel_group.size()
     return dense_wire_bytes(grad.numel() * grad.element_size(), world, distopt,
                             group.ddp_config.num_distributed_optimizer_instances)
 
@@ -210,6 +213,7 @@ class _Shared:
     waits: StepWaits = field(default_factory=StepWaits)  # how the step's collectives are waited for (bounded or not)
     instances: int = 1  # Megatron's num_distributed_optimizer_instances
     comm: Collectives = field(default_factory=Collectives)  # every collective of the sync, counted
+    replicas: ReplicaGroup | None = None  # elastic replicas: the sync runs across them, on torchft's group
 
     def take_stats(self) -> "SyncStats":
         """The counts since the last call, with the compression time the device has finished
@@ -284,13 +288,14 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_buckets = [
             plan_bucket(f"group{index}.bucket{idx}", bucket.grad_data.numel(), bucket.grad_data.dtype,
                         [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list], shared.config,
-                        shape, bucket.grad_data.device, world=self._communication_group.size(),
+                        shape, bucket.grad_data.device, world=self._plan_world,
                         distributed_optimizer=self.ddp_config.use_distributed_optimizer)
             for idx, bucket in enumerate(self.buckets)]
         self.higgs_residuals: list[ResidualBuffer | None] = []
         # What Megatron's dense reduction of these buckets hands to collectives and puts on the wire, per step.
         self.higgs_dense_traffic = (sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buckets),
-                                    sum(megatron_dense_wire(self, b.grad_data) for b in self.buckets))
+                                    sum(megatron_dense_wire(self, b.grad_data, self._plan_world)
+                                        for b in self.buckets))
 
     def _higgs_make_residuals(self) -> None:
         """Once the forms are final: a residual per compressed bucket, the size of its plan."""
@@ -328,7 +333,17 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_pending = None
 
     @property
+    def _plan_world(self) -> int:
+        """The ranks the plans are made for: the communication group's, or with elastic
+        replicas every replica (the plans, and so every step's forms, stay the same whoever is
+        in the quorum; the all-gather's size follows the quorum at each step)."""
+        replicas = self.higgs.replicas
+        return replicas.size if replicas is not None else self._communication_group.size()
+
+    @property
     def _communication_group(self) -> dist.ProcessGroup:
+        if self.higgs.replicas is not None:
+            return self.higgs.replicas.group
         if self.ddp_config.use_distributed_optimizer:
             return self.intra_distributed_optimizer_instance_group
         return self.data_parallel_group
@@ -416,10 +431,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                                                                     domain.costs)
             try:
                 pending = path.launch(launch, idx, bucket.grad_data, step_density)
-            except RuntimeError:
-                if not shared.waits.abandoned:
-                    raise
-                pending = None  # the step is given up; NCCL refuses collectives on the communicator it aborted
+            except RuntimeError as error:
+                shared.waits.launch_failed(error)  # raises unless the step is given up (``StepWaits``)
+                pending = None
             if pending is not None:  # None: Megatron's own work, in launch.dense_works
                 launch.pending.append(pending)
         if launch.sums is not None:
@@ -475,7 +489,9 @@ class HiggsDDP(DistributedDataParallel):
     error feedback."""
 
     def __init__(self, config, ddp_config, module: torch.nn.Module, higgs_config: HiggsConfig | None = None,
-                 **kwargs) -> None:
+                 replicas: ReplicaGroup | None = None, **kwargs) -> None:
+        """``replicas``: elastic replicas (``elastic``): the gradient sync runs across them on
+        torchft's group, never on Megatron's data-parallel group (size 1 inside a replica)."""
         if ddp_config.use_megatron_fsdp or ddp_config.use_custom_fsdp:
             raise HiggsConfigurationError("HiggsDDP replaces DDP's reduction; Megatron FSDP is not supported")
         for name, flag in UNSUPPORTED_DDP_OPTIONS.items():
@@ -491,6 +507,10 @@ class HiggsDDP(DistributedDataParallel):
         self.higgs_config = higgs_config or HiggsConfig()
         self._higgs = _Shared(config=self.higgs_config, schedule=DensitySchedule.of(self.higgs_config),
                               instances=instances)
+        if replicas is not None:
+            self._check_replicas(replicas)
+            self._higgs.replicas, self._higgs.comm = replicas, ReplicaCollectives()
+            self._higgs.waits.across_replicas = True
         self._higgs_domains: list[_Domain] = []
         index = 0
         for offset, groups in enumerate((self.bucket_groups, self.expert_parallel_bucket_groups)):
@@ -536,14 +556,17 @@ class HiggsDDP(DistributedDataParallel):
                       ) -> tuple[_Domain, dist.ProcessGroup]:
         """The reduction domain of ``groups`` (all over one group: the data-parallel one, or the
         expert-data-parallel one), and the group its link costs are agreed over."""
-        config, instances = self.higgs_config, self._higgs.instances
+        config, instances, replicas = self.higgs_config, self._higgs.instances, self._higgs.replicas
         dp_group = (groups[0].intra_distributed_optimizer_instance_group
                     if self.ddp_config.use_distributed_optimizer else groups[0].data_parallel_group)
-        # Seeded by the rank in that group: the TP ranks of one replica sample alike, so a
-        # TP-replicated parameter (same gradient on each) is selected alike even where sampling
-        # falls short; the expert domain's selectors draw apart from the dense one's.
+        # Seeded by the rank in that group (an elastic replica's index, whatever the quorum): the
+        # TP ranks of one replica sample alike, so a TP-replicated parameter (same gradient on
+        # each) is selected alike even where sampling falls short; the expert domain's selectors
+        # draw apart from the dense one's.
         selector = None if config.compressor == "none" else make_selector(
-            config.compressor, seed=seed_offset + dist.get_rank(dp_group))
+            config.compressor, seed=seed_offset + (replicas.index if replicas is not None else dist.get_rank(dp_group)))
+        if replicas is not None:  # averaged by the gradient scaling the quorum sets (``elastic.replicas``)
+            return _Domain(selector=selector), dp_group
         domain = _Domain(selector=selector, average_over=dist.get_world_size(dp_group) * instances)
         if instances > 1 and config.compressor != "none":
             # Megatron's parallel state made the two levels: dense inside an instance, compressed across.
@@ -561,7 +584,28 @@ class HiggsDDP(DistributedDataParallel):
         """Whether the domains build node groups (collective over the whole world)."""
         config = self.higgs_config
         return (self._higgs.instances == 1 and config.sync in ("auto", "hierarchical")
-                and config.compressor != "none")
+                and config.compressor != "none" and self._higgs.replicas is None)
+
+    def _check_replicas(self, replicas: ReplicaGroup) -> None:
+        """Elastic replicas: what the sync across a changing quorum cannot do, refused. Only the
+        forms whose plans do not depend on who takes part (dense, and each rank's own top-k
+        all-gathered) run across replicas; Megatron's reduction inside a replica has nothing to
+        reduce (data-parallel size 1), and the distributed optimizer nothing to shard."""
+        config, ddp_config = self.higgs_config, self.ddp_config
+        problems = []
+        if config.compressor != "none" and config.sync not in ("sparse", "dense"):
+            problems.append(f"--higgs-sync {config.sync} (across replicas: sparse or dense)")
+        if ddp_config.use_distributed_optimizer:
+            problems.append("the distributed optimizer (nothing to shard inside a replica)")
+        if ddp_config.average_in_collective:
+            problems.append("average_in_collective (the quorum's size scales the gradients)")
+        if self.expert_parallel_bucket_groups:
+            problems.append("experts (their expert-data-parallel group is not the replicas')")
+        inside = parallel_state.get_data_parallel_world_size()
+        if inside != 1:
+            problems.append(f"data-parallel size {inside} inside a replica (expected 1)")
+        if problems:
+            raise HiggsConfigurationError(f"elastic replicas (--higgs-replicas) with {'; '.join(problems)}")
 
     def _experts_elsewhere(self) -> bool:
         """This chunk has no experts (a pipeline stage without MoE layers): whether another
@@ -707,3 +751,23 @@ class HiggsDDP(DistributedDataParallel):
                 scores.load(state[name].to(scores.committed.device))
         for group, steps in zip(self.higgs_bucket_groups, state["steps"].tolist()):
             group.higgs_steps, group.higgs_pending = steps, None
+
+    def peer_residual_state(self) -> dict[str, torch.Tensor]:
+        """What an elastic replica that heals from this rank takes of its error-feedback state:
+        the step counts (the density schedule's position, so that both sync alike) and the
+        agreed block scores, not the residuals (``adopt_peer_residual_state``)."""
+        residuals = self._residual_buffers()
+        return {name: value for name, value in self.residual_state().items() if name not in residuals}
+
+    def adopt_peer_residual_state(self, state: dict[str, torch.Tensor]) -> float:
+        """An elastic replica heals: the peer's ``peer_residual_state``, and zero residuals. A
+        residual is gradient mass its own replica has not sent yet; a copy of the peer's would
+        be sent twice, by each, so conservation holds only with zero. Returns the L2 norm of the
+        residuals dropped (a host read, once per heal: the log says what was lost)."""
+        kept = {id(g): g._last_step_kept() for g in self.higgs_bucket_groups}
+        dropped = [residual.settled(kept[id(group)]).float().square().sum()
+                   for group, residual in self._residual_buffers().values()]
+        norm = float(torch.stack(dropped).sum().sqrt()) if dropped else 0.0
+        zeros = {name: torch.zeros_like(residual.committed) for name, (_, residual) in self._residual_buffers().items()}
+        self.load_residual_state({**state, **zeros})
+        return norm

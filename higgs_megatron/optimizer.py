@@ -19,7 +19,8 @@
   next sync starts; the same sync run twice in one iteration starts twice from the same
   residual), and ``step()`` returns ``(False, None, None)`` everywhere (a partial skip would hang
   the distributed optimizer's parameter all-gather). After a given-up sync the data-parallel
-  groups are rebuilt (``stability.regroup``) before anything else runs on them.
+  groups are rebuilt (``stability.regroup``) before anything else runs on them (across elastic
+  replicas, torchft's next quorum rebuilds its group instead: ``elastic.replicas``).
   ``take_verdict()`` says what the last step decided (once); ``on_skip`` callbacks hear of every drop.
 """
 
@@ -103,7 +104,8 @@ class HiggsOptimizer(MegatronOptimizer):
                     ledger.taken += 1
             return result
         self.skipped_steps += 1
-        if verdict.sync_failed:  # first: the drain lets given-up collectives finish writing the buffers
+        if verdict.sync_failed and self.decision.rebuilds_groups:
+            # first: the drain lets given-up collectives finish writing the buffers
             vote = self.decision.vote
             store = vote.store if vote is not None else job_store("higgs/regroup/")
             self.regroup_seconds = rebuild_process_groups(

@@ -179,3 +179,23 @@ def run_pretrain_script(argv: Sequence[str], nproc: int, timeout: float = 300.0,
         proc.communicate()
         raise
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def run_elastic_replicas(argv: Sequence[str], replicas: int, log_dir: Path, nproc_per_replica: int = 1,
+                         max_restarts: int = 2, timeout: float = 420.0) -> subprocess.CompletedProcess:
+    """``scripts/elastic_replicas.py``: a torchft Lighthouse on a free port and ``replicas``
+    torchruns of the pretrain script (``{replica}`` in ``argv`` becomes each one's index);
+    output captured, each replica's in ``log_dir``. On a timeout the launcher is sent SIGTERM,
+    which stops every replica it started, and the timeout is raised."""
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "elastic_replicas.py"), "--replicas", str(replicas),
+               "--nproc-per-replica", str(nproc_per_replica), "--max-restarts", str(max_restarts),
+               "--lighthouse-port", str(free_port()), "--log-dir", str(log_dir), "--", *argv]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        proc.communicate(timeout=60)
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

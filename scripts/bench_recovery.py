@@ -24,6 +24,20 @@ pretrain script (2 ranks, ``--save-interval``, ``--async-checkpoint``, ``--auto-
   is started again with ``--auto-resume``: the load falls back to the previous checkpoint
   (event ``checkpoint_fallback``); timed from the start of that load.
 
+Replica rows (``--replica-kinds``): a lost data-parallel replica, in two modes each, on 2
+replicas of 1 rank (dense buckets):
+
+* ``replica kill``: ``kill-replica@1:AT``; ``replica hang``: ``stop-replica@1:AT:--stop-seconds``;
+* ``restart``: one torchrun of 2 ranks, as without elastic replicas: the job restarts from its
+  latest checkpoint (a hang past ``--higgs-restart-timeout`` too);
+* ``keep going``: ``scripts/elastic_replicas.py``, 2 replicas and a torchft Lighthouse: the
+  survivor drops the lost replica from the quorum and goes on; the lost one heals from it.
+
+For each: the survivors' seconds lost (from the fault to the completion of the fault's
+iteration, less a median step), the iterations they rolled back, the faulted replica's seconds
+from the fault to training again (healed, or loaded), and the bytes that moved to bring it
+back (the healed state, or the checkpoint read).
+
 Per fault: seconds from the fault to the next iteration completed after the recovery (the
 alignment, or the checkpoint load of the restarted job), what of it went to the
 rebuild of the groups or the checkpoint load, and the iterations lost (completed before the
@@ -31,7 +45,7 @@ fault, redone after it). Everything comes from the runs' ``--log-json`` (fault, 
 load events and iteration timestamps). Writes ``recovery.md`` and, with matplotlib,
 ``recovery.png`` into ``--out``.
 
-    python scripts/bench_recovery.py [--at 6] [--out runs/recovery]
+    python scripts/bench_recovery.py [--at 6] [--out runs/recovery] [--kinds ...] [--replica-kinds ...]
 """
 
 from __future__ import annotations
@@ -40,11 +54,13 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from higgs_megatron_bench.ranks import run_elastic_replicas  # noqa: E402
 from higgs_megatron_bench.runs import REPO  # noqa: E402
 from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
 
@@ -57,6 +73,8 @@ STRAGGLER_ALIGNMENTS = 2
 FAULTS = {"hang": ["hang@1:{at}:{hang:g}"], "hard hang": ["freeze@1:{at}"], "crash": ["crash@1:{at}"],
           "sigterm": ["sigterm@1:{at}"], "straggler": ["hang@1:{at}:{hang:g}"] * STRAGGLER_ALIGNMENTS,
           "corrupt newest": []}
+REPLICA_FAULTS = {"replica kill": "kill-replica@1:{at}", "replica hang": "stop-replica@1:{at}:{stop:g}"}
+MODES = ("restart", "keep going")
 RANK = 1  # the logging rank: its fault events reach the JSONL before it stops or dies
 
 
@@ -125,6 +143,55 @@ def measure(kind: str, buckets: str, log_json: Path) -> dict:
     }
 
 
+def run_replica(kind: str, mode: str, args: argparse.Namespace, directory: Path) -> None:
+    """One replica row's job (see the module docstring)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    flags = COMMON + BUCKETS["dense"] + [
+        "--train-iters", str(args.replica_iters), "--save", str(directory / "ckpt"), "--save-interval",
+        str(args.save_interval), "--auto-resume", "--higgs-step-timeout", f"{args.step_timeout:g}",
+        "--inject-fault", REPLICA_FAULTS[kind].format(at=args.at, stop=args.stop_seconds)]
+    if mode == "restart":
+        status = torchrun(flags + ["--higgs-restart-timeout", f"{args.restart_timeout:g}",
+                                   "--log-json", str(directory / "log.jsonl")], directory)
+    else:
+        status = run_elastic_replicas(flags + ["--log-json", str(directory / "replica-{replica}.jsonl")], 2,
+                                      directory / "logs", timeout=1800).returncode
+    if status != 0:
+        raise SystemExit(f"{kind}, {mode}: the job failed (status {status}); see {directory}")
+
+
+def measure_replica(kind: str, mode: str, at: int, directory: Path) -> dict:
+    """The replica row's figures, from the job's log (restart) or the survivor's and the faulted
+    replica's (keep going)."""
+    def rows_of(path: Path) -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    survivor = rows_of(directory / ("log.jsonl" if mode == "restart" else "replica-0.jsonl"))
+    faulted = survivor if mode == "restart" else rows_of(directory / "replica-1.jsonl")
+    fault = next(r for r in faulted if r.get("event") == "fault_injected")
+    iterations = [r for r in survivor if r["type"] == "iteration"]
+    step = statistics.median(r["elapsed_time_per_iteration_ms"] / 1000 for r in iterations)
+    done = next(r for r in iterations if r["iteration"] == at and r["time"] > fault["time"])
+    before = max(r["iteration"] for r in iterations if r["time"] < fault["time"])
+    loaded = next((r for r in survivor if r.get("event") == "checkpoint_loaded" and r["time"] > fault["time"]), None)
+    back = next((r for r in faulted if r.get("event") in ("replica_healed", "checkpoint_loaded")
+                 and r["time"] > fault["time"]), None)
+    healed = next((r for r in faulted if r.get("event") == "replica_healed" and r["time"] > fault["time"]), None)
+    committed = [r for r in survivor if r.get("event") == "checkpoint_committed"]
+    moved = healed["bytes"] if healed else next(
+        (r["bytes"] for r in committed if loaded and r["iteration"] == loaded["iteration"]), 0)
+    return {
+        "fault": kind, "mode": mode,
+        "survivors' seconds lost": done["time"] - fault["time"] - step,
+        "iterations rolled back": before - loaded["iteration"] if loaded else 0,
+        "seconds to bring the replica back": back["time"] - fault["time"] if back else float("nan"),
+        "MB moved to bring it back": moved / 1e6,
+        "how": (f"healed from a live peer (step {healed['from_step']} -> {healed['to_step']})" if healed else
+                f"every rank restarted from iteration {loaded['iteration']}" if loaded else "alignment, no restart"),
+    }
+
+
 def table(rows: list[dict]) -> str:
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -161,14 +228,23 @@ def main() -> int:
     parser.add_argument("--restart-timeout", type=float, default=10.0,
                         help="longer than --hang-seconds: a hang that long is a stuck rank")
     parser.add_argument("--kinds", default=",".join(FAULTS), help=f"comma-separated, of: {', '.join(FAULTS)}")
+    parser.add_argument("--replica-kinds", default=",".join(REPLICA_FAULTS),
+                        help=f"comma-separated, of: {', '.join(REPLICA_FAULTS)} (empty: none)")
+    parser.add_argument("--stop-seconds", type=float, default=20.0, help="a replica hang's length")
+    parser.add_argument("--replica-iters", type=int, default=120,
+                        help="each replica row's run: long enough for the survivor to outlast the hang")
     parser.add_argument("--out", default=str(REPO / "runs" / "recovery"))
     parser.add_argument("--reuse", action="store_true", help="tabulate the logs already in --out; run nothing")
     args = parser.parse_args()
     out = Path(args.out)
-    kinds = [kind.strip() for kind in args.kinds.split(",")]
+    kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
     unknown = [kind for kind in kinds if kind not in FAULTS]
     if unknown:
         parser.error(f"--kinds: unknown {', '.join(unknown)}; expected some of {', '.join(FAULTS)}")
+    replica_kinds = [kind.strip() for kind in args.replica_kinds.split(",") if kind.strip()]
+    unknown = [kind for kind in replica_kinds if kind not in REPLICA_FAULTS]
+    if unknown:
+        parser.error(f"--replica-kinds: unknown {', '.join(unknown)}; expected some of {', '.join(REPLICA_FAULTS)}")
     rows = []
     for kind in kinds:
         for buckets in BUCKETS:
@@ -176,14 +252,30 @@ def main() -> int:
             if not args.reuse:
                 run(kind, buckets, args, directory)
             rows.append(measure(kind, buckets, directory / "log.jsonl"))
-    text = (table(rows) + "\n\n"
-            f"2 ranks, default model, --higgs-step-timeout {args.step_timeout:g}, --higgs-restart-timeout "
-            f"{args.restart_timeout:g}, hang {args.hang_seconds:g}s, --save-interval {args.save_interval} "
-            "--async-checkpoint; anchor: torchft rebuilds a gloo group in under a second and loses only the "
-            "failed step\n")
+    replica_rows = []
+    for kind in replica_kinds:
+        for mode in MODES:
+            directory = out / f"{kind.replace(' ', '_')}-{mode.replace(' ', '_')}"
+            if not args.reuse:
+                run_replica(kind, mode, args, directory)
+            replica_rows.append(measure_replica(kind, mode, args.at, directory))
+    text = ""
+    if rows:
+        text += (table(rows) + "\n\n"
+                 f"2 ranks, default model, --higgs-step-timeout {args.step_timeout:g}, --higgs-restart-timeout "
+                 f"{args.restart_timeout:g}, hang {args.hang_seconds:g}s, --save-interval {args.save_interval} "
+                 "--async-checkpoint; anchor: torchft rebuilds a gloo group in under a second and loses only the "
+                 "failed step\n\n")
+    if replica_rows:
+        text += (table(replica_rows) + "\n\n"
+                 f"2 replicas of 1 rank, default model, dense, --higgs-step-timeout {args.step_timeout:g}, "
+                 f"--higgs-restart-timeout {args.restart_timeout:g}, replica hang {args.stop_seconds:g}s, "
+                 f"--save-interval {args.save_interval}, {args.replica_iters} iterations; keep going: "
+                 "scripts/elastic_replicas.py (torchft Lighthouse, 2 s heartbeat timeout)\n")
     out.mkdir(parents=True, exist_ok=True)
     (out / "recovery.md").write_text(text)
-    plot(rows, out / "recovery.png")
+    if rows:
+        plot(rows, out / "recovery.png")
     log.info(text)
     return 0
 

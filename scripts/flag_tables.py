@@ -1,5 +1,5 @@
 """The flag tables of the README and the docs, generated from the pretrain script's parser: the config dataclasses'
-flags (``HiggsConfig``, ``CheckpointConfig``, ``StabilityConfig``, ``OffloadConfig``) with
+flags (``HiggsConfig``, ``CheckpointConfig``, ``StabilityConfig``, ``ElasticConfig``, ``OffloadConfig``) with
 their help and defaults, and the few Megatron-LM flags each table sits beside; the script's
 own groups of Megatron-LM flags (model, parallelism, experts, training, data, logging); and the table
 of what a flag needs of another (``runtime.run_config.RULES``, ``<!-- flags:rules -->``).
@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from higgs_megatron.checkpoint.flags import CheckpointConfig  # noqa: E402
 from higgs_megatron.config import HiggsConfig  # noqa: E402
+from higgs_megatron.elastic.flags import ElasticConfig  # noqa: E402
 from higgs_megatron.field_flags import flag_fields  # noqa: E402
 from higgs_megatron.memory import OffloadConfig  # noqa: E402
 from higgs_megatron.runtime.run_config import RULES  # noqa: E402
@@ -45,6 +46,7 @@ TABLES = {
     "compression": ["--use-higgs", *_flags(HiggsConfig), "--check-weight-hash-across-dp-replicas-interval"],
     "checkpoints": ["--save", "--save-interval", "--load", "--keep-last", *_flags(CheckpointConfig)],
     "stability": [*_flags(StabilityConfig), "--exit-signal-handler", "--exit-duration-in-mins", "--exit-interval"],
+    "elastic": _flags(ElasticConfig),
     "memory": ["--higgs-offload", *_flags(OffloadConfig), "--higgs-pin-memory-limit-gb", "--higgs-offload-schedule",
                "--higgs-block-allocator"],
 }

@@ -16,12 +16,25 @@ The inner group is looked up at each call, never kept, since a quorum replaces i
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from ..reduce.wire import Collectives
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """What the gradient sync needs of the elastic replicas: torchft's group across them (the
+    wrapper, rebuilt in place at every quorum), how many replicas the job has (the plans are
+    made for all of them) and this replica's index (its selectors' seed)."""
+
+    group: Any
+    size: int
+    index: int
 
 
 def inner_group(group):

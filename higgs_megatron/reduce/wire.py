@@ -156,29 +156,46 @@ class StepWaits:
     later work of the step is waited for (each goes to ``abandoned``), but the pending
     exchanges still issue every collective the other ranks will, so that each given-up one
     completes (gloo) or fails (NCCL's aborted communicator) by the time every rank has voted.
-    A peer process found gone raises: only a restart helps then."""
+    A peer process found gone raises: only a restart helps then. Across elastic replicas
+    (``across_replicas``) it gives the step up like any failure, as does a collective that
+    fails to launch: the next quorum leaves that peer out, and the replicas go on."""
 
     timeout: float | None = None
     failed: str | None = None  # why this step's sync is not to be trusted
     abandoned: list[Any] = field(default_factory=list)  # works of this step given up on, not drained
+    across_replicas: bool = False
 
     def wait(self, work: Any) -> None:
         """Wait for one collective of this step's sync (see the class docstring)."""
         if self.abandoned:  # this step's sync is given up: wait for nothing more
             self.abandoned.append(work)
             return
-        if self.timeout is None:
+        if self.timeout is None and not self.across_replicas:
             work.wait()
             return
         try:
-            work.wait(timeout=timedelta(seconds=self.timeout))
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as error:
-            if peer_lost(error):
+            if peer_lost(error) and not self.across_replicas:
                 raise
             self.failed = (f"rank {dist.get_rank()}: gradient sync did not complete within {self.timeout:g}s"
-                           if still_pending(work) else
+                           if self.timeout is not None and still_pending(work) else
                            f"rank {dist.get_rank()}: gradient sync failed: {str(error).splitlines()[0][:200]}")
             self.abandoned.append(work)
+
+    def launch_failed(self, error: RuntimeError) -> None:
+        """A collective of this step's sync failed to launch: expected once the sync is given
+        up (NCCL refuses collectives on the communicator a timed-out wait aborted); across
+        replicas it gives the sync up; else ``error`` is raised."""
+        if self.abandoned:
+            return
+        if not self.across_replicas:
+            raise error
+        self.failed = f"rank {dist.get_rank()}: gradient sync failed: {str(error).splitlines()[0][:200]}"
+        self.abandoned.append(_NOT_LAUNCHED)
 
     def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """``collective(*args, async_op=True, **kwargs)`` (a ``Collectives`` method), then its work
@@ -187,11 +204,23 @@ class StepWaits:
         timed-out wait aborted)."""
         try:
             work = collective(*args, async_op=True, **kwargs)
-        except RuntimeError:
-            if not self.abandoned:
-                raise
+        except RuntimeError as error:
+            self.launch_failed(error)
             return
         self.wait(work)
+
+
+class _NotLaunched:
+    """Stands in the given-up works for a collective that never launched."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_NOT_LAUNCHED = _NotLaunched()
 
 
 def wait_works(holder: object, names: tuple[str, ...], waits: StepWaits | None = None) -> None:

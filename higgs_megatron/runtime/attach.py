@@ -9,6 +9,9 @@ the typed run config (``runtime.run_config``) and nothing else:
   decision, its dropped steps told to the events;
 * resilience: faults, progress phases, the watchdog, the sync's timeout, the bounded vote,
   progress alignments (``runtime.resilience``);
+* elastic replicas (``--higgs-replicas``): each attempt's torchft quorum (a heal from a live
+  peer, the gradients scaled to the quorum's mean) and the replicas' commit in the step's
+  decision (``elastic.replicas``; our pretrain script only);
 * the memory manager (``--higgs-offload``, ``runtime.offload``);
 * the save schedule (``--save-interval``, ``--checkpoint-interval``);
 * the events, one sink (``runtime.metrics.MetricsLogger``: log lines, JSONL, TensorBoard,
@@ -29,6 +32,7 @@ from megatron.core.utils import get_model_config
 
 from ..checkpoint.interval import SaveSchedule
 from ..ddp import HiggsConfigurationError, HiggsDDP
+from ..elastic.replicas import ElasticReplicas
 from ..logs import get_logger
 from ..memory import MemoryManager
 from ..optimizer import wrap_optimizer
@@ -46,8 +50,10 @@ T = TypeVar("T")
 class Runtime:
     """One run's runtime (see the module docstring); built by ``attach``."""
 
-    def __init__(self, config: RunConfig, model_chunks: list, optimizer: Any, events: MetricsLogger) -> None:
+    def __init__(self, config: RunConfig, model_chunks: list, optimizer: Any, events: MetricsLogger,
+                 elastic: ElasticReplicas | None = None) -> None:
         self.config = config
+        self.elastic = elastic
         self.model_chunks = model_chunks
         self.events = events
         self.iteration = 0  # the iteration ``step`` runs (or last ran)
@@ -64,7 +70,10 @@ class Runtime:
         self.optimizer = optimizer
         stability = config.stability
         self.resilience = Resilience(stability.higgs_step_timeout, stability.restart_after, list(stability.faults),
-                                     events, model_chunks, optimizer, stability.higgs_max_alignments_in_a_row)
+                                     events, model_chunks, optimizer, stability.higgs_max_alignments_in_a_row,
+                                     replica=elastic.replica if elastic is not None else None)
+        if elastic is not None:  # the replica's own decision first, then the replicas' commit
+            optimizer.decision = elastic.decision(optimizer.decision)
         self.saves = SaveSchedule(config.checkpoint.save_interval, config.checkpoint.checkpoint_interval)
         self.memory = self._memory()
         self._watched = False
@@ -106,6 +115,8 @@ class Runtime:
             self.resilience.watch_grad_sync(get_model_config(self.model_chunks[0]), lambda: self.iteration)
             self._watched = True
         while True:
+            if self.elastic is not None:
+                self._quorum()
             fault = self.resilience.begin(iteration)
             with self.resilience.bounded():
                 result = attempt(fault)
@@ -113,6 +124,23 @@ class Runtime:
             if not self.resilience.realigned(iteration, take_verdict() if take_verdict else None,
                                              getattr(self.optimizer, "regroup_seconds", 0.0)):
                 return result
+
+    def _quorum(self) -> None:
+        """Elastic replicas: the step's quorum, a heal said (event ``replica_healed``), and a
+        change of membership (event ``replicas_changed``)."""
+        elastic, before = self.elastic, self.elastic.participants
+        healed = elastic.begin()
+        if healed is not None:
+            self.events.event("replica_healed", f" replica {elastic.replica} healed from a live peer: step "
+                              f"{healed['from_step']} -> {healed['to_step']}, {healed['bytes'] / 1e6:.2f} MB received "
+                              f"and loaded in {healed['quorum_seconds']:.2f}s; its own error-feedback residuals "
+                              f"dropped (L2 norm {healed['residual_dropped']:.4g})", replica=elastic.replica, **healed)
+        if elastic.participants != before:
+            total = elastic.config.higgs_replicas
+            self.events.event("replicas_changed", f" replicas in the quorum: {elastic.participants} of {total}"
+                              + (f"; the samples of {total - elastic.participants} replica(s) are skipped at each "
+                                 "step while they are out" if elastic.participants < total else ""),
+                              participants=elastic.participants, replicas=total)
 
     @property
     def alignments(self) -> int:
@@ -144,7 +172,10 @@ class Runtime:
             handler.flush()
 
 
-def attach(model_chunks: list, optimizer: Any, config: RunConfig, events: MetricsLogger) -> Runtime:
+def attach(model_chunks: list, optimizer: Any, config: RunConfig, events: MetricsLogger,
+           elastic: ElasticReplicas | None = None) -> Runtime:
     """Wire the runtime of one run around Megatron's ``model_chunks`` and ``optimizer``; the
-    optimizer the front-end must step is ``Runtime.optimizer``."""
-    return Runtime(config, model_chunks, optimizer, events)
+    optimizer the front-end must step is ``Runtime.optimizer``. ``elastic``: this replica's
+    side of elastic replicas (``--higgs-replicas``), which the front-end made before its model
+    (the model's sync runs on its group)."""
+    return Runtime(config, model_chunks, optimizer, events, elastic)

@@ -51,16 +51,19 @@ class Resilience:
     _instances = 0
 
     def __init__(self, step_timeout: float | None, restart_timeout: float | None, faults: list[Fault],
-                 log: MetricsLogger, model: list, optimizer, max_in_a_row: int = DEFAULT_ALIGNMENTS_IN_A_ROW) -> None:
+                 log: MetricsLogger, model: list, optimizer, max_in_a_row: int = DEFAULT_ALIGNMENTS_IN_A_ROW,
+                 replica: int | None = None) -> None:
         """``step_timeout``, ``restart_timeout``, ``max_in_a_row``: ``--higgs-step-timeout``,
         ``--higgs-restart-timeout`` and ``--higgs-max-alignments-in-a-row`` (``stability.flags``);
-        ``faults``: the parsed ``--inject-fault``."""
+        ``faults``: the parsed ``--inject-fault``; ``replica``: this elastic replica's index
+        (``--higgs-replica-id``: the replica faults' target, each replica restarting alone)."""
         self.log = log
         self.model = model
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout = step_timeout
         self.restart_timeout = restart_timeout
-        self.injector = FaultInjector(faults, self.rank, parallel_state.get_data_parallel_rank())
+        self.injector = FaultInjector(faults, self.rank, parallel_state.get_data_parallel_rank() if replica is None
+                                      else replica, restarts_alone=replica is not None)
         self.alignments = AlignmentLog()
         self.max_in_a_row = max_in_a_row
         self.board = self.watchdog = self.store = None

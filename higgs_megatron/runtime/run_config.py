@@ -5,6 +5,7 @@
       checkpoint   CheckpointConfig                            (--save, --load, --recovery-mode, ...)
       stability    StabilityConfig, the faults parsed          (--higgs-step-timeout, --inject-fault, ...)
       memory       MemoryConfig                                (--higgs-offload*, --higgs-block-allocator)
+      elastic      ElasticConfig, or None without --higgs-replicas (--higgs-replicas, --higgs-replica-id, ...)
 
 Each node is a dataclass whose fields declare their flags (``field_flags``), defaults and
 help, and check their own values. What a flag needs of another ("--higgs-restart-timeout
@@ -24,6 +25,7 @@ from ..checkpoint.flags import CheckpointConfig, checkpoint_config_from_args
 from ..compat.symbols import SymbolMismatch, check_symbols
 from ..compat.versions import UntestedMegatron, check_megatron_core
 from ..config import HiggsConfig, compression_flags_given, higgs_config_from_args
+from ..elastic.flags import ElasticConfig, elastic_config_from_args, elastic_flags_given
 from ..memory.flags import MemoryConfig, memory_config_from_args, offload_flags_given
 from ..stability.flags import StabilityConfig, stability_config_from_args
 from .exits import UsageError
@@ -41,6 +43,7 @@ class RunConfig:
     checkpoint: CheckpointConfig
     stability: StabilityConfig
     memory: MemoryConfig
+    elastic: ElasticConfig | None = None
 
 
 def _flag(name: str, given: Callable[[argparse.Namespace], object]) -> Callable[[argparse.Namespace], list[str]]:
@@ -95,6 +98,12 @@ RULES: tuple[Rule, ...] = (
     Rule("--num-distributed-optimizer-instances N > 1", "--use-distributed-optimizer",
          _flag("--num-distributed-optimizer-instances", lambda a: a.num_distributed_optimizer_instances > 1),
          lambda a: a.use_distributed_optimizer, front_ends=(PRETRAIN,)),
+    Rule("--higgs-replicas", "--use-higgs", elastic_flags_given, lambda a: a.use_higgs,
+         "the replicas' gradients meet in the compressed sync's buckets (--higgs-compressor none: dense)",
+         front_ends=(PRETRAIN,)),
+    Rule("--higgs-replicas", "our pretrain script (examples/pretrain_gpt.py)", elastic_flags_given, lambda a: False,
+         "elastic replicas are not built into Megatron-LM's training loop", front_ends=(MEGATRON_LM,),
+         word="is only in"),
 )
 
 
@@ -127,6 +136,7 @@ def run_config_from_args(args: argparse.Namespace, front_end: str, world_size: i
             checkpoint=checkpoint_config_from_args(args),
             stability=stability_config_from_args(args, world_size),
             memory=memory_config_from_args(args),
+            elastic=elastic_config_from_args(args),
         )
     except ValueError as error:  # each node's own checks (ConfigError, OffloadError...) name the flag
         raise UsageError(str(error)) from None

@@ -115,6 +115,8 @@ class StepVote:
 class StepDecision:
     """Keep or drop this step, the same on every rank (see the module docstring)."""
 
+    rebuilds_groups = True  # a given-up sync: the data-parallel groups are rebuilt (``stability.regroup``)
+
     def __init__(self, vote: StepVote | None = None) -> None:
         self.vote = vote
 

@@ -21,7 +21,9 @@ replica kinds, RANK is the data-parallel replica's index).
   and is resumed (SIGCONT) S seconds later by a helper process it started: a replica stuck
   for a while, as a node under a long kernel stall or a swap storm.
 
-A fault fires once, in the attempt of the job that first reaches its iteration: attempt
+A fault fires once, at its iteration or, in a process that starts past it (an elastic
+replica that healed beyond it), at the first iteration it runs; in the attempt of the job that
+first reaches its iteration: attempt
 ``TORCHELASTIC_RESTART_COUNT`` = the number of injected crashes and freezes at earlier
 iterations (each costs one restart under ``torchrun --max-restarts``). So a restarted job resumes from
 its checkpoint and runs through the crash's iteration again without dying again, and five
@@ -101,17 +103,19 @@ def parse_fault(spec: str, world_size: int | None = None, replicas: int | None =
 class FaultInjector:
     """This rank's faults; the loop calls ``before_step`` at the start of every attempt."""
 
-    def __init__(self, faults: list[Fault], rank: int, replica: int) -> None:
-        """``rank``: this process's global rank; ``replica``: its data-parallel index."""
+    def __init__(self, faults: list[Fault], rank: int, replica: int, restarts_alone: bool = False) -> None:
+        """``rank``: this process's global rank; ``replica``: its data-parallel index.
+        ``restarts_alone``: elastic replicas, each its own torchrun, whose attempts count only
+        their own restarting faults (the others' restart the others)."""
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-        crashes = sorted({f.iteration for f in faults if f.kind in RESTARTING})
-        self.pending = [f for f in faults if f.rank == (replica if f.kind in REPLICA_KINDS else rank)
-                        and sum(i < f.iteration for i in crashes) == attempt]
+        mine = [f for f in faults if f.rank == (replica if f.kind in REPLICA_KINDS else rank)]
+        crashes = sorted({f.iteration for f in (mine if restarts_alone else faults) if f.kind in RESTARTING})
+        self.pending = [f for f in mine if sum(i < f.iteration for i in crashes) == attempt]
 
     def before_step(self, iteration: int, on_fire=None) -> Fault | None:
         """Fire this rank's fault for ``iteration`` (1-based). Returns a ``nan`` fault for the
         caller to apply to the loss; sleeps for ``hang``/``slow``; exits for ``crash``."""
-        due = [f for f in self.pending if f.iteration == iteration]
+        due = [f for f in self.pending if f.iteration <= iteration]  # a replica that healed past it: now
         if not due:
             return None
         fault = due[0]

@@ -88,6 +88,8 @@ def stability_config_from_args(args: argparse.Namespace, world_size: int | None)
 
 def data_parallel_size(args: argparse.Namespace, world_size: int | None) -> int | None:
     """The data-parallel size the flags give ``world_size`` ranks (None without a world size)."""
+    if getattr(args, "higgs_replicas", None) is not None:  # elastic: one torchrun per replica
+        return args.higgs_replicas
     if world_size is None:
         return None
     model_parallel = 1

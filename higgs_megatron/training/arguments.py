@@ -17,6 +17,7 @@ import torch
 
 from ..checkpoint.flags import add_rank_map_args
 from ..config import add_higgs_args
+from ..elastic.flags import add_elastic_args
 from ..memory.flags import add_offload_args
 from ..stability.exit_conditions import add_exit_args, check_exit_args
 from ..runtime.exits import UsageError
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_exit_args(g)
     add_higgs_args(parser)
     add_offload_args(parser)
+    add_elastic_args(parser.add_argument_group("higgs: elastic replicas (torchft)"))
     return parser
 
 
@@ -178,7 +180,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
               "moe_router_topk",
               "check_weight_hash_across_dp_replicas_interval", "save_interval", "keep_last", "higgs_step_timeout")
     # The compressed sync's schedule is derived from the LR schedule's: after it.
-    for check in (_check_optimizer, _check_recompute, _check_layout, _check_experts, _check_model, _check_schedule,
+    for check in (_check_optimizer, _check_recompute, _check_layout, _check_elastic, _check_experts, _check_model,
+                  _check_schedule,
                   _check_run_config, _check_data, _check_runtime):
         check(args, world_size)
     return args
@@ -229,6 +232,32 @@ def _check_layout(args: argparse.Namespace, world_size: int) -> None:
     if args.data_parallel_size % instances != 0:
         raise UsageError(f"--num-distributed-optimizer-instances {instances} does not divide the data-parallel "
                          f"size {args.data_parallel_size}")
+
+
+def _check_elastic(args: argparse.Namespace, world_size: int) -> None:
+    """``--higgs-replicas R``: this launch is one replica, TP x PP ranks with data-parallel size
+    1 inside; each global batch is split over the R replicas (``--micro-batch-size`` x R per
+    micro-batch). The sync across replicas runs dense or as each rank's own top-k all-gathered,
+    the forms whose plans do not depend on who is in the quorum: ``--higgs-sync auto`` takes the
+    all-gather there."""
+    replicas = args.higgs_replicas
+    if replicas is None:
+        return
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.data_parallel_size != 1:
+        raise UsageError(f"--higgs-replicas {replicas}: each replica is one torchrun of --tensor-model-parallel-size "
+                         f"{tp} x --pipeline-model-parallel-size {pp} = {tp * pp} rank(s) (data-parallel size 1 "
+                         f"inside); this launch has {world_size}")
+    refused = [flag for flag, given in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                                        ("--num-experts", args.num_experts is not None),
+                                        (f"--higgs-sync {args.higgs_sync}",
+                                         args.higgs_sync not in ("auto", "sparse", "dense"))) if given]
+    if refused:
+        raise UsageError(f"--higgs-replicas with {', '.join(refused)}: not built for elastic replicas (across them "
+                         "the sync is dense or each rank's own top-k all-gathered, --higgs-sync sparse; inside "
+                         "one there is no data-parallel group to shard over)")
+    if args.use_higgs and args.higgs_sync == "auto":
+        args.higgs_sync = "sparse"
 
 
 def _check_experts(args: argparse.Namespace, world_size: int) -> None:
@@ -285,13 +314,15 @@ def _check_model(args: argparse.Namespace, world_size: int) -> None:
 
 def _check_schedule(args: argparse.Namespace, world_size: int) -> None:
     """Batch sizes and the LR schedule."""
+    shares = args.higgs_replicas or args.data_parallel_size  # the global batch's shares
     if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    per_step = args.micro_batch_size * args.data_parallel_size
+        args.global_batch_size = args.micro_batch_size * shares
+    per_step = args.micro_batch_size * shares
     if args.global_batch_size % per_step != 0:
         raise UsageError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}"
+            f"{args.micro_batch_size} x {'--higgs-replicas' if args.higgs_replicas else 'data-parallel size'} "
+            f"{shares} = {per_step}"
         )
     args.num_microbatches = args.global_batch_size // per_step
     if args.max_position_embeddings is None:

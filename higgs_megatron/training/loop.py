@@ -40,6 +40,7 @@ from ..ddp import HiggsDDP, SyncStats, sync_traffic
 from ..device import collective_device, model_device, to_device
 from ..logs import get_logger, setup_logging
 from ..stability.exit_conditions import ExitConditions
+from ..elastic.replicas import ElasticReplicas
 from ..runtime.attach import attach
 from ..runtime.exits import UsageError
 from .corpus import ByteTokenizer, build_corpus
@@ -95,8 +96,13 @@ class Trainer:
         is_writer = self.writes_logs()
         self.log = MetricsLogger(is_writer=is_writer, log_json=args.log_json,
                                  callbacks=(callbacks_from_args(args) if is_writer else []) + list(callbacks or []))
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.elastic = None
+        if run.elastic is not None:  # before the model: its sync runs on the replicas' group
+            self.elastic = ElasticReplicas(run.elastic, args.distributed_backend, run.stability.higgs_step_timeout)
+        # This rank's share of each global batch: its data-parallel index, or its replica's.
+        self.dp_rank = parallel_state.get_data_parallel_rank() if self.elastic is None else self.elastic.replica
+        self.dp_size = parallel_state.get_data_parallel_world_size() if self.elastic is None \
+            else run.elastic.higgs_replicas
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         self.exits = ExitConditions(args)  # the run's clock starts here; the signal is caught from now on
 
@@ -105,11 +111,12 @@ class Trainer:
         self.config = transformer_config(args)
         set_seeds(args.seed)
         if run.compression is not None:
-            self.model = build_model(args, self.config, HiggsDDP, higgs_config=run.compression)
+            self.model = build_model(args, self.config, HiggsDDP, higgs_config=run.compression,
+                                     **({"replicas": self.elastic.replica_group} if self.elastic else {}))
         else:
             self.model = build_model(args, self.config)
         self.iteration = 0
-        self.runtime = attach(self.model, build_optimizer(args, self.model), run, self.log)
+        self.runtime = attach(self.model, build_optimizer(args, self.model), run, self.log, self.elastic)
         self.optimizer = self.runtime.optimizer
         # Megatron's optimizer's param groups, which HiggsOptimizer only hands through
         self.scheduler = build_scheduler(args, getattr(self.optimizer, "inner", self.optimizer))
@@ -123,6 +130,10 @@ class Trainer:
             self.runtime.resilience.before_orderly_restart = lambda: self._committed(self.checkpointer.poll)
         if run.checkpoint.load:
             self._load()
+        if self.elastic is not None:
+            if self.iteration:
+                self._drop_loaded_residuals()
+            self.elastic.start(self.model, self._heal_state, self._load_healed, self.iteration)
         self._saved_at = self.iteration
         self.failed_saves = 0  # in a row
 
@@ -206,6 +217,37 @@ class Trainer:
                              vocab=vocab_record(ByteTokenizer().vocab_size, self.args.make_vocab_size_divisible_by,
                                                 self.args.tensor_model_parallel_size))
 
+    def _heal_state(self) -> dict:
+        """What an elastic replica healing from this one receives: ``state_dict()``, its
+        error-feedback part without the residuals (``HiggsDDP.peer_residual_state``)."""
+        state = self.state_dict()
+        state["optimizer"]["higgs_residuals"] = [chunk.peer_residual_state() for chunk in self.optimizer.model_chunks]
+        return state
+
+    def _load_healed(self, state: dict) -> float:
+        """This elastic replica heals: a peer's ``_heal_state``, with zero residuals of its own;
+        returns the L2 norm of its own residuals dropped."""
+        peer_residuals = state["optimizer"]["higgs_residuals"]
+        state["optimizer"] = state["optimizer"]["optimizer"]
+        skip, self.optimizer.skip_residuals_on_load = self.optimizer.skip_residuals_on_load, True
+        try:
+            self.load_state_dict(state)
+        finally:
+            self.optimizer.skip_residuals_on_load = skip
+        return sum(chunk.adopt_peer_residual_state(residuals)
+                   for chunk, residuals in zip(self.optimizer.model_chunks, peer_residuals))
+
+    def _drop_loaded_residuals(self) -> None:
+        """Elastic replicas: a checkpoint holds the residuals of the replica that wrote it, the
+        gradient mass that replica had not sent; every replica that loads it starts from zero,
+        as a healed one does, or that mass would be sent once per replica (event
+        ``residuals_dropped``)."""
+        dropped = sum(chunk.adopt_peer_residual_state(chunk.peer_residual_state())
+                      for chunk in self.optimizer.model_chunks)
+        self.log.event("residuals_dropped", f" elastic replicas: the loaded error-feedback residuals (L2 norm "
+                       f"{dropped:.4g}) belong to the replica that saved them: every replica starts from zero",
+                       iteration=self.iteration, norm=dropped)
+
     def _load(self) -> None:
         args, checkpoint = self.args, self.run.checkpoint
         started = time.perf_counter()
@@ -284,7 +326,8 @@ class Trainer:
     def _save_due(self) -> bool:
         """``--save-interval`` by iteration count; ``--checkpoint-interval`` by wall clock, agreed
         on by all ranks (``checkpoint.interval``)."""
-        return bool(self.run.checkpoint.save) and self.runtime.saves.due(self.iteration)
+        return (bool(self.run.checkpoint.save) and self.runtime.saves.due(self.iteration)
+                and (self.elastic is None or self.elastic.saves(self.run.checkpoint.save, self.iteration)))
 
     def finish_saves(self) -> None:
         """At the end of training: pending saves finish (every rank)."""
@@ -372,7 +415,16 @@ class Trainer:
         return sync_traffic(self.model)
 
     def _check_replicas(self) -> None:
-        """Megatron's own check: every DP replica holds bitwise-identical parameters."""
+        """Megatron's own check: every DP replica holds bitwise-identical parameters (across
+        elastic replicas, the replicas in the quorum: ``ElasticReplicas.check_identical``)."""
+        if self.elastic is not None:
+            identical = self.elastic.check_identical(self.model)
+            if identical is False:
+                raise RuntimeError(f"elastic replicas hold different parameters at iteration {self.iteration} "
+                                   "(--check-weight-hash-across-dp-replicas-interval)")
+            if identical:
+                self.log.event("replicas_identical", iteration=self.iteration, replicas=self.elastic.participants)
+            return
         if not check_param_hashes_across_dp_replicas(self.model, cross_check=True):
             raise RuntimeError(f"data-parallel replicas hold different parameters at iteration {self.iteration} "
                                "(--check-weight-hash-across-dp-replicas-interval)")
@@ -381,13 +433,18 @@ class Trainer:
     def train(self) -> TrainResult:
         args = self.args
         result = TrainResult()
-        skipped = 0
+        skipped = skipped_samples = 0
         window = LogWindow()
         while self.iteration < args.train_iters:
             started = time.perf_counter()
             ok, loss, grad_norm = self.train_step()
             step_time = time.perf_counter() - started
             tokens = self._tokens(self.consumed_samples)
+            batch = args.global_batch_size
+            if self.elastic is not None:  # the replicas out of the quorum: their share is skipped
+                batch = self.elastic.participants * args.global_batch_size // self.dp_size
+                skipped_samples += args.global_batch_size - batch
+                tokens = tokens * batch // args.global_batch_size
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
             skipped += 0 if ok else 1
@@ -406,8 +463,11 @@ class Trainer:
                     "consumed samples": self.consumed_samples,
                     "elapsed time per iteration (ms)": elapsed * 1000.0,
                     "learning rate": self.scheduler.get_lr(self.optimizer.param_groups[0]),
-                    "global batch size": args.global_batch_size,
+                    "global batch size": batch,
                 }
+                if self.elastic is not None:
+                    fields["replicas"] = self.elastic.participants
+                    fields["skipped samples"] = skipped_samples
                 if loss is not None:
                     fields["lm loss"] = loss
                 if grad_norm is not None:
@@ -444,7 +504,8 @@ class Trainer:
                                + ("; saving a checkpoint first" if self.run.checkpoint.save and self._saved_at != self.iteration
                                   else ""), iteration=self.iteration, reason=result.exit_reason)
                 break
-        if self.run.checkpoint.save and self._saved_at != self.iteration:
+        if self.run.checkpoint.save and self._saved_at != self.iteration and \
+                (self.elastic is None or self.elastic.saves(self.run.checkpoint.save, self.iteration)):
             self.save(final=True)
         self.finish_saves()
         result.alignments = self.runtime.alignments
@@ -469,11 +530,14 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         for (_, inner), shard in zip(torch_optimizers(self.optimizer), state.get("optimizer_shards", [])):
             inner.load_state_dict(shard)
+        self.scheduler.num_steps = 0  # Megatron's scheduler adds the loaded steps to its own
         self.scheduler.load_state_dict(state["scheduler"])
         self.iteration = state["iteration"]
         self.consumed_samples = state["consumed_samples"]
 
     def close(self) -> None:
+        if self.elastic is not None:
+            self.elastic.close()
         self.exits.close()
         self.runtime.close(self.iteration)
         self.log.close()

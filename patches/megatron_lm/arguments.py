@@ -34,6 +34,7 @@ from higgs_megatron.given_flags import flags_given
 from higgs_megatron.memory.flags import add_offload_args
 from higgs_megatron.launcher import launcher_world_size
 from higgs_megatron.runtime.exits import UsageError
+from higgs_megatron.elastic.flags import add_elastic_args
 from higgs_megatron.runtime.run_config import MEGATRON_LM, RunConfig, run_config_from_args
 from higgs_megatron.stability.flags import add_stability_args
 
@@ -53,6 +54,7 @@ def add_patch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_rank_map_args(g)
     add_stability_args(parser.add_argument_group("higgs: stability (with --use-higgs)"))
     add_offload_args(parser)
+    add_elastic_args(parser.add_argument_group("higgs: elastic replicas (refused here: our pretrain script only)"))
     return parser
 
 

@@ -61,6 +61,24 @@ def test_a_moe_layout_derives_the_expert_data_parallel_size():
      "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
     (["--num-experts", "4", "--use-higgs", "--use-distributed-optimizer", "--num-distributed-optimizer-instances",
       "2"], 2, "--use-higgs with --num-experts and --num-distributed-optimizer-instances > 1"),
+    # elastic replicas: one torchrun per replica, what they cannot do refused before any group exists
+    (["--higgs-replicas", "2", "--higgs-replica-id", "0", "--higgs-lighthouse", "http://h:1"], 1,
+     "--higgs-replicas: needs --use-higgs"),
+    (["--use-higgs", "--higgs-replicas", "2", "--higgs-replica-id", "2", "--higgs-lighthouse", "http://h:1"], 1,
+     "--higgs-replica-id: expected 0 to 1 with --higgs-replicas 2, got 2"),
+    (["--use-higgs", "--higgs-replicas", "2", "--higgs-replica-id", "0"], 1,
+     "--higgs-replicas needs the torchft Lighthouse's address"),
+    (["--use-higgs", "--higgs-replica-id", "0"], 1, "--higgs-replica-id: only with --higgs-replicas"),
+    (["--use-higgs", "--higgs-replicas", "2", "--higgs-replica-id", "0", "--higgs-lighthouse", "http://h:1"], 2,
+     "--higgs-replicas 2: each replica is one torchrun of --tensor-model-parallel-size 1 x "
+     "--pipeline-model-parallel-size 1 = 1 rank(s) (data-parallel size 1 inside); this launch has 2"),
+    (["--use-higgs", "--higgs-replicas", "2", "--higgs-replica-id", "0", "--higgs-lighthouse", "http://h:1",
+      "--use-distributed-optimizer", "--higgs-sync", "sharded"], 1,
+     "--higgs-replicas with --use-distributed-optimizer, --higgs-sync sharded: not built for elastic replicas"),
+    (["--use-higgs", "--higgs-replicas", "2", "--higgs-replica-id", "0", "--higgs-lighthouse", "http://h:1",
+      "--inject-fault", "kill-replica@2:3"], 1, "replica 2 does not exist with data-parallel size 2"),
+    (["--use-higgs", "--higgs-replicas", "2", "--higgs-replica-id", "0", "--higgs-lighthouse", "http://h:1",
+      "--higgs-min-replicas", "3"], 1, "--higgs-min-replicas: expected 1 to --higgs-replicas 2, got 3"),
 ])
 def test_bad_input_is_named(argv, world_size, message):
     with pytest.raises(UsageError) as info:
