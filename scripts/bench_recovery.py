@@ -174,20 +174,21 @@ def measure_replica(kind: str, mode: str, at: int, directory: Path) -> dict:
     step = statistics.median(r["elapsed_time_per_iteration_ms"] / 1000 for r in iterations)
     done = next(r for r in iterations if r["iteration"] == at and r["time"] > fault["time"])
     before = max(r["iteration"] for r in iterations if r["time"] < fault["time"])
+    after = [r for r in faulted if r["time"] > fault["time"]]
     loaded = next((r for r in survivor if r.get("event") == "checkpoint_loaded" and r["time"] > fault["time"]), None)
-    back = next((r for r in faulted if r.get("event") in ("replica_healed", "checkpoint_loaded")
-                 and r["time"] > fault["time"]), None)
-    healed = next((r for r in faulted if r.get("event") == "replica_healed" and r["time"] > fault["time"]), None)
-    committed = [r for r in survivor if r.get("event") == "checkpoint_committed"]
-    moved = healed["bytes"] if healed else next(
-        (r["bytes"] for r in committed if loaded and r["iteration"] == loaded["iteration"]), 0)
+    healed = next((r for r in after if r.get("event") == "replica_healed"), None)
+    read = next((r for r in after if r.get("event") == "checkpoint_loaded"), None)  # a restart's --auto-resume
+    back = healed or read
+    sizes = {r["iteration"]: r["bytes"] for r in survivor if r.get("event") == "checkpoint_committed"}
+    moved = (healed["bytes"] if healed else 0) + (sizes.get(read["iteration"], 0) if read else 0)
     return {
         "fault": kind, "mode": mode,
         "survivors' seconds lost": done["time"] - fault["time"] - step,
         "iterations rolled back": before - loaded["iteration"] if loaded else 0,
         "seconds to bring the replica back": back["time"] - fault["time"] if back else float("nan"),
         "MB moved to bring it back": moved / 1e6,
-        "how": (f"healed from a live peer (step {healed['from_step']} -> {healed['to_step']})" if healed else
+        "how": (f"healed from a live peer (step {healed['from_step']} -> {healed['to_step']})"
+                + (f" after loading iteration {read['iteration']}" if read else "") if healed else
                 f"every rank restarted from iteration {loaded['iteration']}" if loaded else "alignment, no restart"),
     }
 
