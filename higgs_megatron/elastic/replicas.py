@@ -66,30 +66,31 @@ def tensor_bytes(state: Any) -> int:
     return 0
 
 
-def _replica_store(timeout: timedelta) -> tuple[str, int]:
+def _replica_store(timeout: timedelta) -> tuple[str, int, dist.TCPStore | None]:
     """A store for this replica's torchft Manager, new in each attempt of the torchrun: rank 0
-    serves it and publishes its address under the attempt's key (torchrun's own store keeps
-    the keys of earlier attempts, whose Manager address another rank could read first)."""
+    serves it (the server it returns must live as long as the Manager) and publishes its
+    address under the attempt's key (torchrun's own store keeps the keys of earlier attempts,
+    whose Manager address another rank could read first)."""
     key = f"higgs/elastic/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/store"
-    store = job_store("")
+    store, server = job_store(""), None
     if dist.get_rank() == 0:
         server = dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        _replica_store.server = server  # lives as long as the process
         store.set(key, f"{socket.gethostname()}:{server.port}")
     store.wait([key], timeout)
     host, port = store.get(key).decode().rsplit(":", 1)
-    return host, int(port)
+    return host, int(port), server
 
 
 class ElasticReplicas:
     """This rank's side of the elastic replicas (see the module docstring)."""
 
     def __init__(self, config: ElasticConfig, backend: str, step_timeout: float | None) -> None:
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's own servers: a line per quorum and commit otherwise
+        # torchft logs a line per quorum and per commit, from its servers and from Python: warnings only
+        os.environ.setdefault("RUST_LOG", "warn")
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-            logging.getLogger(name).setLevel(logging.WARNING)  # a line per quorum and commit otherwise
+            logging.getLogger(name).setLevel(logging.WARNING)
 
         self.config = config
         self.timeout = timedelta(seconds=step_timeout or 60.0)
@@ -103,6 +104,7 @@ class ElasticReplicas:
         self._chunks: list = []
         self._save_state: Callable[[], dict] | None = None
         self._load_state: Callable[[dict], float] | None = None
+        self._store_server: dist.TCPStore | None = None
 
     @property
     def replica(self) -> int:
@@ -120,7 +122,7 @@ class ElasticReplicas:
         self._chunks = model_chunks
         self._scaled = [(bucket, bucket.gradient_scaling_factor) for chunk in model_chunks
                         for group in chunk.higgs_bucket_groups for bucket in group.buckets]
-        host, port = _replica_store(self.timeout)
+        host, port, self._store_server = _replica_store(self.timeout)
         self.manager = Manager(
             pg=self.replica_group.group, load_state_dict=self._heal, state_dict=self._heal_state,
             min_replica_size=self.config.higgs_min_replicas, use_async_quorum=False, timeout=self.timeout,
