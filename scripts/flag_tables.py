@@ -1,4 +1,4 @@
-"""The flag tables of the README and the docs, generated from the pretrain script's parser: the config dataclasses'
+"""The flag tables of the docs, generated from the pretrain script's parser: the config dataclasses'
 flags (``HiggsConfig``, ``CheckpointConfig``, ``StabilityConfig``, ``ElasticConfig``, ``OffloadConfig``) with
 their help and defaults, and the few Megatron-LM flags each table sits beside; the script's
 own groups of Megatron-LM flags (model, parallelism, experts, training, data, logging); and the table
@@ -33,8 +33,8 @@ from higgs_megatron.runtime.run_config import RULES  # noqa: E402
 from higgs_megatron.stability.flags import StabilityConfig  # noqa: E402
 from higgs_megatron.training.arguments import build_parser  # noqa: E402
 
-FILES = tuple(REPO / page for page in ("README.md", "docs/compression.md", "docs/pretrain_script.md",
-                                       "docs/checkpoints.md"))  # the pages with marked tables
+FILES = tuple(REPO / page for page in ("docs/compression.md", "docs/pretrain_script.md", "docs/checkpoints.md",
+                                       "docs/stability.md", "docs/memory.md"))  # the pages with marked tables
 GROUPS = ("model", "parallelism", "experts", "training", "data", "logging")  # the pretrain script's own argument groups
 
 

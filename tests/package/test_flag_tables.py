@@ -1,4 +1,4 @@
-"""The flag tables of the README and the docs are what the parsers say (``scripts/flag_tables.py`` writes them)."""
+"""The flag tables of the docs are what the parsers say (``scripts/flag_tables.py`` writes them)."""
 
 import importlib.util
 
@@ -17,11 +17,12 @@ def test_the_flag_tables_are_generated_from_the_parsers():
     for page in tables.FILES:
         _, changed = tables.rendered(page.read_text())
         assert changed == [], f"{page.name}: flag tables differ from the parsers: {changed} (scripts/flag_tables.py)"
-    readme = (REPO_ROOT / "README.md").read_text()
-    assert all(f"<!-- flags:{name} -->" in readme for name in tables.TABLES)  # every table is in the README
+    pages = "".join(page.read_text() for page in tables.FILES)
+    assert all(f"<!-- flags:{name} -->" in pages for name in tables.TABLES)  # every table is on a page
 
 
 def test_a_changed_help_shows_as_a_changed_table():
     tables = _flag_tables()
-    readme = (REPO_ROOT / "README.md").read_text().replace("keep only the newest N checkpoints", "keep them all")
-    assert tables.rendered(readme)[1] == ["checkpoints"]
+    page = (REPO_ROOT / "docs" / "checkpoints.md").read_text().replace("keep only the newest N checkpoints",
+                                                                         "keep them all")
+    assert tables.rendered(page)[1] == ["checkpoints"]
