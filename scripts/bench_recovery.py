@@ -238,28 +238,28 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true", help="tabulate the logs already in --out; run nothing")
     args = parser.parse_args()
     out = Path(args.out)
-    kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
-    unknown = [kind for kind in kinds if kind not in FAULTS]
-    if unknown:
-        parser.error(f"--kinds: unknown {', '.join(unknown)}; expected some of {', '.join(FAULTS)}")
-    replica_kinds = [kind.strip() for kind in args.replica_kinds.split(",") if kind.strip()]
-    unknown = [kind for kind in replica_kinds if kind not in REPLICA_FAULTS]
-    if unknown:
-        parser.error(f"--replica-kinds: unknown {', '.join(unknown)}; expected some of {', '.join(REPLICA_FAULTS)}")
-    rows = []
-    for kind in kinds:
-        for buckets in BUCKETS:
-            directory = out / f"{kind.replace(' ', '_')}-{buckets}"
-            if not args.reuse:
-                run(kind, buckets, args, directory)
-            rows.append(measure(kind, buckets, directory / "log.jsonl"))
-    replica_rows = []
-    for kind in replica_kinds:
-        for mode in MODES:
-            directory = out / f"{kind.replace(' ', '_')}-{mode.replace(' ', '_')}"
-            if not args.reuse:
-                run_replica(kind, mode, args, directory)
-            replica_rows.append(measure_replica(kind, mode, args.at, directory))
+    def chosen(flag: str, value: str, known: dict) -> list[str]:
+        kinds = [kind.strip() for kind in value.split(",") if kind.strip()]
+        unknown = [kind for kind in kinds if kind not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(unknown)}; expected some of {', '.join(known)}")
+        return kinds
+
+    def rows_of(kinds: list[str], variants, run_one, measure_one) -> list[dict]:
+        """Each kind under each variant: run (unless --reuse) into its directory, then measured."""
+        rows = []
+        for kind in kinds:
+            for variant in variants:
+                directory = out / f"{kind}-{variant}".replace(" ", "_")
+                if not args.reuse:
+                    run_one(kind, variant, args, directory)
+                rows.append(measure_one(kind, variant, directory))
+        return rows
+
+    rows = rows_of(chosen("--kinds", args.kinds, FAULTS), BUCKETS, run,
+                   lambda kind, buckets, directory: measure(kind, buckets, directory / "log.jsonl"))
+    replica_rows = rows_of(chosen("--replica-kinds", args.replica_kinds, REPLICA_FAULTS), MODES, run_replica,
+                           lambda kind, mode, directory: measure_replica(kind, mode, args.at, directory))
     text = ""
     if rows:
         text += (table(rows) + "\n\n"

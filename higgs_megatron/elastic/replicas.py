@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 
 from ..checkpoint.manifest import committed_checkpoints
 from ..checkpoint.state import restore_rng_state, rng_state
@@ -55,15 +56,10 @@ START_WAIT = 120.0  # seconds a fresh job's first step waits for every replica
 REPLICA_PREFIX = "replica_"  # torchft reads a replica's index from the trailing digits of its id
 
 
-def tensor_bytes(state: Any) -> int:
+def tensor_bytes(state: dict) -> int:
     """Bytes of the tensors in a nested state (what a heal moves)."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(tensor_bytes(value) for value in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(tensor_bytes(value) for value in state)
-    return 0
+    return sum(value.numel() * value.element_size() for value in nested_values(state)
+               if isinstance(value, torch.Tensor))
 
 
 def _replica_store(timeout: timedelta) -> tuple[str, int, dist.TCPStore | None]:
@@ -98,9 +94,10 @@ class ElasticReplicas:
         self.replica_group = ReplicaGroup(group, config.higgs_replicas, config.higgs_replica_id)
         self.manager = None
         self.participants = config.higgs_replicas
+        self.quorum_seconds = 0.0  # the last quorum's, with its rebuild of the group and any heal
         self.healed: dict | None = None  # the last heal (step, seconds, bytes), until ``begin`` reports it
         self._scaled: list[tuple[Any, float]] = []
-        self._fresh = True  # before the first quorum
+        self._fresh = self._fresh_scaling = True  # before the first quorum
         self._chunks: list = []
         self._save_state: Callable[[], dict] | None = None
         self._load_state: Callable[[dict], float] | None = None
@@ -177,13 +174,16 @@ class ElasticReplicas:
         self._drain()
         if self._fresh:
             self._wait_for_all()
-        self.participants = self.manager.num_participants()
-        for bucket, factor in self._scaled:
-            bucket.gradient_scaling_factor = factor / self.participants
+        participants = self.manager.num_participants()
+        if participants != self.participants or self._fresh_scaling:  # set again only when the quorum's size changes
+            for bucket, factor in self._scaled:
+                bucket.gradient_scaling_factor = factor / participants
+            self._fresh_scaling = False
+        self.participants = participants
+        self.quorum_seconds = time.perf_counter() - started
         healed, self.healed = self.healed, None
         if healed is not None:
-            healed.update(from_step=step, to_step=self.manager.current_step(),
-                          quorum_seconds=time.perf_counter() - started)
+            healed.update(from_step=step, to_step=self.manager.current_step(), quorum_seconds=self.quorum_seconds)
         return healed
 
     def saves(self, save_dir: str, iteration: int) -> bool:
@@ -203,9 +203,6 @@ class ElasticReplicas:
                         f"iteration {newest[0]} (this replica is behind the job)")
             return False
         return True
-
-    def decision(self, inside: StepDecision) -> "ReplicaCommit":
-        return ReplicaCommit(self, inside)
 
     def check_identical(self, model_chunks: list) -> bool | None:
         """Whether every replica in the quorum holds bitwise the same parameters (each rank

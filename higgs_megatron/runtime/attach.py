@@ -32,7 +32,7 @@ from megatron.core.utils import get_model_config
 
 from ..checkpoint.interval import SaveSchedule
 from ..ddp import HiggsConfigurationError, HiggsDDP
-from ..elastic.replicas import ElasticReplicas
+from ..elastic.replicas import ElasticReplicas, ReplicaCommit
 from ..logs import get_logger
 from ..memory import MemoryManager
 from ..optimizer import wrap_optimizer
@@ -73,7 +73,7 @@ class Runtime:
                                      events, model_chunks, optimizer, stability.higgs_max_alignments_in_a_row,
                                      replica=elastic.replica if elastic is not None else None)
         if elastic is not None:  # the replica's own decision first, then the replicas' commit
-            optimizer.decision = elastic.decision(optimizer.decision)
+            optimizer.decision = ReplicaCommit(elastic, optimizer.decision)
         self.saves = SaveSchedule(config.checkpoint.save_interval, config.checkpoint.checkpoint_interval)
         self.memory = self._memory()
         self._watched = False
@@ -137,10 +137,12 @@ class Runtime:
                               f"dropped (L2 norm {healed['residual_dropped']:.4g})", replica=elastic.replica, **healed)
         if elastic.participants != before:
             total = elastic.config.higgs_replicas
-            self.events.event("replicas_changed", f" replicas in the quorum: {elastic.participants} of {total}"
+            self.events.event("replicas_changed", f" replicas in the quorum: {elastic.participants} of {total}, "
+                              f"formed in {elastic.quorum_seconds:.2f}s"
                               + (f"; the samples of {total - elastic.participants} replica(s) are skipped at each "
                                  "step while they are out" if elastic.participants < total else ""),
-                              participants=elastic.participants, replicas=total)
+                              iteration=self.iteration, participants=elastic.participants, replicas=total,
+                              quorum_seconds=elastic.quorum_seconds)
 
     @property
     def alignments(self) -> int:

@@ -468,6 +468,7 @@ class Trainer:
                 if self.elastic is not None:
                     fields["replicas"] = self.elastic.participants
                     fields["skipped samples"] = skipped_samples
+                    fields["quorum time (ms)"] = self.elastic.quorum_seconds * 1000.0  # the last step's
                 if loss is not None:
                     fields["lm loss"] = loss
                 if grad_norm is not None:

@@ -67,6 +67,15 @@ def _events(records: list[dict], name: str) -> list[dict]:
     return [r for r in records if r.get("event") == name]
 
 
+def _longest_step(records: list[dict]) -> tuple[float, float, float]:
+    """A survivor's median and longest step, and the seconds the quorum that step finished in
+    took to form (torchft's rebuild of its group after a replica left; logged every iteration)."""
+    steps = _iterations(records)[1:]
+    longest = max(steps, key=lambda s: s["elapsed_time_per_iteration_ms"])
+    return (statistics.median(s["elapsed_time_per_iteration_ms"] for s in steps) / 1000,
+            longest["elapsed_time_per_iteration_ms"] / 1000, longest["quorum_time_ms"] / 1000)
+
+
 def _check_kill_and_stop(runs, killed: int, stopped: int, iters: int) -> dict:
     """What the issue asks of a replica killed and another stopped for STOP_SECONDS under a
     STEP_TIMEOUT: the others never stop or roll back, each faulted replica heals from a live
@@ -78,12 +87,12 @@ def _check_kill_and_stop(runs, killed: int, stopped: int, iters: int) -> dict:
         assert len(runs[survivor]) == 1, f"replica {survivor} restarted"
         steps = _iterations(runs[survivor][0])
         assert [s["iteration"] for s in steps] == list(range(1, iters + 1)), "an iteration rolled back or missing"
-        times = [s["elapsed_time_per_iteration_ms"] / 1000 for s in steps[1:]]
-        step, longest = statistics.median(times), max(times)
-        # the timeout, the attempt given up and the one that follows it, and torchft's rebuild of its group
-        assert longest <= STEP_TIMEOUT + 2 * step + 1.0, (longest, step)
+        step, longest, rebuild = _longest_step(runs[survivor][0])
+        # the timeout, the attempt given up and the one run again, and torchft's new quorum (its rebuild of
+        # the group, measured and logged), with 0.3 s for the rest (the flags on the broken group, a loaded host)
+        assert longest <= STEP_TIMEOUT + 2 * step + rebuild + 0.3, (longest, step, rebuild)
         assert not _events(runs[survivor][0], "restart_needed")
-        figures[f"replica {survivor}"] = {"longest step s": longest, "median step s": step,
+        figures[f"replica {survivor}"] = {"longest step s": longest, "median step s": step, "rebuild s": rebuild,
                                           "alignments": len(_events(runs[survivor][0], "progress_alignment"))}
     # the killed replica: restarted by its torchrun, healed from a live peer, to the end
     first, *later = runs[killed]
@@ -176,8 +185,8 @@ def test_two_tensor_parallel_replicas_kill_then_stop(tmp_path):
         nproc=2)
     steps = _iterations(runs[0][0])
     assert len(runs[0]) == 1 and [s["iteration"] for s in steps] == list(range(1, iters + 1))
-    times = [s["elapsed_time_per_iteration_ms"] / 1000 for s in steps[1:]]
-    assert max(times) <= STEP_TIMEOUT + 2 * statistics.median(times) + 1.0
+    step, longest, rebuild = _longest_step(runs[0][0])
+    assert longest <= STEP_TIMEOUT + 2 * step + rebuild + 0.3, (longest, step, rebuild)
     first, *later = runs[1]
     assert later, "the kill did not restart replica 1"
     healed = [h for attempt in later for h in _events(attempt, "replica_healed")]
