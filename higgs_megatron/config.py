@@ -24,7 +24,8 @@ from .given_flags import flags_given
 from .schedule import derived_schedule
 
 COMPRESSORS = ("topk", "sampled-topk", "none")
-SYNC_MODES = ("auto", "dense", "sparse", "agreed", "sharded", "hierarchical")
+PAYLOAD_CHOICES = (*PAYLOADS, "sign")  # sign: the agreed form's rows alone (compress.agreed)
+SYNC_MODES = ("auto", "dense", "sparse", "agreed", "sharded", "hierarchical", "onebit")
 
 
 class ConfigError(ValueError):
@@ -80,13 +81,16 @@ class HiggsConfig:
     payload: str = field(default="wide", metadata=_flag(
         "--higgs-payload", "wire format of the compressed payload: wide (int32 positions, the gradient's dtype), "
         "bf16 (positions as 16-bit block offsets or a bitmap, whichever is smaller; bf16 values), int8 (the same "
-        "positions, int8 values with a scale per span of coordinates), int4 (as int8, 4-bit values) (default: int4)",
-        derived=True, choices=PAYLOADS))
+        "positions, int8 values with a scale per span of coordinates), int4 (as int8, 4-bit values), sign (every "
+        "coordinate as one bit with a scale per 2,048, through the agreed form at density 1) (default: int4)",
+        derived=True, choices=PAYLOAD_CHOICES))
     """The compressed payload's wire format (``compress.payload``): 'wide' sends int32 positions
     and values in the gradient's dtype; 'bf16' positions as 16-bit offsets within 64Ki-coordinate
     blocks or as a bitmap (whichever is smaller; none at density 1) and bf16 values; 'int8' the
     same positions and int8 values with one scale per span of coordinates; 'int4' as 'int8' with
-    4-bit codes. The rounding goes into the error-feedback residual."""
+    4-bit codes; 'sign' one bit a coordinate, a scale per 2,048 (the agreed form's rows only:
+    every rank sends the same coordinates, so a sign needs no position). The rounding goes into
+    the error-feedback residual."""
 
     variance_refresh_iters: int = field(default=0, metadata=_flag(
         "--higgs-variance-refresh-iters", "with --higgs-freeze-adam-variance: sync dense and let Adam's second moment "
@@ -130,7 +134,9 @@ class HiggsConfig:
         "each rank's own top-k, all-gathered (wire bytes per rank grow with the DP size); agreed: every rank sends the "
         "same blocks, chosen from block scores summed over the ranks, summed by an all-to-all (wire bytes per rank do "
         "not grow with the DP size); sharded: each rank's own top-k of each shard to its owner by an all-to-all, "
-        "the owners' top-k of their sums all-gathered (wire bytes per rank do not grow with the DP size)",
+        "the owners' top-k of their sums all-gathered (wire bytes per rank do not grow with the DP size); onebit: "
+        "1-bit Adam, each rank's view of Adam's first moment, every coordinate as a sign, summed by the agreed "
+        "exchange, after the dense stage, with Adam's second moment frozen",
         choices=SYNC_MODES))
     """Per bucket: 'sparse' compresses, each rank its own top-k, all-gathered (``reduce.sparse_allreduce``:
     the bytes on each rank's link grow with the DP size); 'agreed' compresses, every rank the same
@@ -141,7 +147,11 @@ class HiggsConfig:
     whichever of dense, sparse, sharded and hierarchical ``cost_model`` predicts fastest, from link
     costs measured at start-up (the all-gather at two ranks, where they put the same wire bytes per rank on the link and it
     loses less loss; the sharded form beyond; not 'agreed', which at the same density has lost
-    more loss than both). Under
+    more loss than both). 'onebit' is 1-bit Adam's exchange (``first_moment``): after the dense
+    stage each rank sends its own view of Adam's first moment, every coordinate as a sign with a
+    scale per 2,048, through the agreed form at density 1, and the optimizer takes the sum as its
+    first moment, its second moment frozen (``compression_ratio`` 1, ``payload`` 'sign'; 'wide'
+    sends the moments in full, the exchange's full-precision oracle). Under
     every mode a step whose form would put no fewer bytes on the link than dense goes dense."""
 
     sum_density_factor: float = field(default=1.0, metadata=_flag(
@@ -167,8 +177,13 @@ class HiggsConfig:
         if self.compressor not in COMPRESSORS:
             raise ConfigError("compressor",
                               f"compressor must be one of {', '.join(COMPRESSORS)}; got {self.compressor!r}")
-        if self.payload not in PAYLOADS:
-            raise ConfigError("payload", f"payload must be one of {', '.join(PAYLOADS)}; got {self.payload!r}")
+        if self.payload not in PAYLOAD_CHOICES:
+            raise ConfigError("payload", f"payload must be one of {', '.join(PAYLOAD_CHOICES)}; got {self.payload!r}")
+        if self.payload == "sign" and self.sync not in ("agreed", "onebit", "dense"):
+            raise ConfigError("payload", "payload 'sign' sends the agreed form's rows (every rank the same "
+                              f"coordinates, so no positions): it needs sync 'agreed' or 'onebit', got sync {self.sync!r}")
+        if self.sync == "onebit":
+            self._check_onebit()
         if self.sync not in SYNC_MODES:
             raise ConfigError("sync", f"sync must be one of {', '.join(SYNC_MODES)}; got {self.sync!r}")
         if not self.sum_density_factor >= 1.0 or math.isinf(self.sum_density_factor):
@@ -194,15 +209,42 @@ class HiggsConfig:
             raise ConfigError("dense_int8", "dense_int8 sends dense steps as a payload with every coordinate, which "
                               f"the blocked payloads have: it needs payload bf16, int8 or int4 (got {self.payload!r}) "
                               "and not dense_bf16")
-        if self.variance_refresh_iters and not self.freeze_adam_variance:
+        if self.variance_refresh_iters and not self.freezes_variance:
             raise ConfigError("variance_refresh_iters", "variance_refresh_iters refreshes a frozen second moment: it "
                               "needs freeze_adam_variance")
         if self.variance_refresh_iters > self.dense_iters:
             raise ConfigError("variance_refresh_iters", f"variance_refresh_iters ({self.variance_refresh_iters}) must "
                               f"be at most dense_iters ({self.dense_iters}): each window ends before the next starts")
-        if self.freeze_adam_variance and self.dense_iters == 0:
+        if self.freezes_variance and self.dense_iters == 0 and self.sync != "onebit":
             raise ConfigError("freeze_adam_variance", "freeze_adam_variance needs dense_iters > 0: the frozen second "
                               "moment is the one Adam learned in the dense stage")
+
+    def _check_onebit(self) -> None:
+        """1-bit Adam's exchange sends every coordinate as a sign, after a dense stage, through
+        error feedback: the fields it fixes must say so (``for_run`` fills them)."""
+        if self.compression_ratio != 1.0:
+            raise ConfigError("compression_ratio", "sync 'onebit' sends every coordinate: compression_ratio must be "
+                              f"1 (leave its flag out), got {self.compression_ratio}")
+        if self.payload not in ("sign", "wide"):
+            raise ConfigError("payload", "sync 'onebit' sends each coordinate as a sign (or, as the full-precision "
+                              f"oracle, wide): payload must be 'sign' (leave its flag out), got {self.payload!r}")
+        if not self.error_feedback or self.compressor == "none":
+            raise ConfigError("sync", "sync 'onebit' keeps each sign's error in the error-feedback residual: it "
+                              "needs error feedback and a compressor other than 'none'")
+        if self.dense_iters == 0:
+            raise ConfigError("dense_iters", "sync 'onebit' freezes the second moment Adam learned in the dense "
+                              "stage: it needs dense_iters > 0")
+
+    @property
+    def freezes_variance(self) -> bool:
+        """Whether Adam's second moment is frozen after the dense stage (``frozen_variance``):
+        asked for, or 1-bit Adam's exchange, whose sums are a first moment Adam must not average again."""
+        return self.freeze_adam_variance or self.sync == "onebit"
+
+    @property
+    def first_moment_exchange(self) -> bool:
+        """Whether the sync's compressed steps exchange Adam's first moment (``first_moment``)."""
+        return self.sync == "onebit"
 
     @classmethod
     def for_run(cls, train_iters: int, lr_warmup_iters: int, **given) -> "HiggsConfig":

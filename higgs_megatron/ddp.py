@@ -87,6 +87,7 @@ from .cost_model import LinkCosts
 from .device import DeviceTimer, collective_device
 from .elastic.collectives import ReplicaCollectives, ReplicaGroup
 from .expert_bias import KeptExpertBias
+from .first_moment import FirstMoments
 from .grad_paths import DensitySchedule, StepLaunch
 from .reduce.cast_reduce import PendingCastReduce
 from .reduce.link_probe import measure_link_costs
@@ -214,6 +215,7 @@ class _Shared:
     instances: int = 1  # Megatron's num_distributed_optimizer_instances
     comm: Collectives = field(default_factory=Collectives)  # every collective of the sync, counted
     replicas: ReplicaGroup | None = None  # elastic replicas: the sync runs across them, on torchft's group
+    first_moments: FirstMoments | None = None  # sync 'onebit': Adam's first moments (``set_first_moments``)
 
     def take_stats(self) -> "SyncStats":
         """The counts since the last call, with the compression time the device has finished
@@ -271,6 +273,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
     higgs_index: int
     higgs_plans: list[BucketPlan | None]
     higgs_residuals: list[ResidualBuffer | None]
+    higgs_owner_residuals: list[ResidualBuffer | None]
     higgs_steps: int  # the steps settled as kept: what the density schedule counts
     higgs_pending: int | None  # a sync ran whose step is not settled yet: the ledger's count then (0 without one)
     higgs_nonfinite: torch.Tensor | None
@@ -306,6 +309,12 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_scores = [ScoreBuffer(paths.plan.n_blocks, bucket.grad_data.device)
                              if isinstance(paths.plan, AgreedPlan) else None
                              for paths, bucket in zip(self.higgs_buckets, self.buckets)]
+        # the agreed form's owners, where they round their sums for the all-gather (not with the distributed optimizer)
+        self.higgs_owner_residuals = [
+            ResidualBuffer(paths.plan.shard + 1, torch.float32, bucket.grad_data.device)  # + where padding writes
+            if isinstance(paths.plan, AgreedPlan) and self.higgs.config.error_feedback
+            and not self.ddp_config.use_distributed_optimizer else None
+            for paths, bucket in zip(self.higgs_buckets, self.buckets)]
 
     @property
     def higgs_plans(self) -> list[BucketPlan | None]:
@@ -327,7 +336,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
 
     def _rollback(self) -> None:
         """Drop what the last sync staged (every rank skipped its step)."""
-        for buffer in (*self.higgs_residuals, *self.higgs_scores):
+        for buffer in (*self.higgs_residuals, *self.higgs_owner_residuals, *self.higgs_scores):
             if buffer is not None:
                 buffer.rollback()
         self.higgs_pending = None
@@ -413,6 +422,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         overlap = self.ddp_config.overlap_grad_reduce
         average = self.ddp_config.average_in_collective
         density, dense = shared.schedule.at(self.higgs_steps)
+        if shared.config.first_moment_exchange and not dense:
+            self._to_local_momentum(domain.average_over if average else 1)
         dense = dense or force_all_reduce
         distributed_optimizer = self.ddp_config.use_distributed_optimizer
         launch = StepLaunch(
@@ -422,6 +433,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             reduce_op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, force_all_reduce=force_all_reduce,
             sums=[] if shared.check_nonfinite else None, comm=shared.comm, group=self._communication_group,
             selector=domain.selector, timer=shared.compress_timer, residuals=self.higgs_residuals,
+            owner_residuals=self.higgs_owner_residuals,
             scores=self.higgs_scores, kept=kept, group_index=self.higgs_index, megatron=self._megatron_collective,
             nodes=domain.nodes, waits=shared.waits,
             shard=self.intra_distributed_optimizer_instance_rank if distributed_optimizer else None)
@@ -447,6 +459,19 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         else:
             handle.wait()
             self.grad_reduce_handle = None
+
+    def _to_local_momentum(self, average_over: int) -> None:
+        """1-bit Adam's step (``first_moment``): each bucket becomes this rank's share of Adam's
+        next first moment, before any path reads it. The shares of the moment in force add up to
+        it over the group: 1/P each where the paths sum, whole where they average."""
+        moments = self.higgs.first_moments
+        if moments is None:
+            raise HiggsConfigurationError("--higgs-sync onebit exchanges Adam's first moment: wrap the optimizer "
+                                          "with higgs_megatron.wrap_optimizer before the first step")
+        share = average_over / self._plan_world
+        with self.higgs.compress_timer.measure(self.buckets[0].grad_data.device):
+            for idx, bucket in enumerate(self.buckets):
+                moments.to_local_momentum((self.higgs_index, idx), bucket.grad_data, share)
 
     def _wait_for_graph_replays(self) -> None:
         """megatron-core 0.19 (``compat.buckets``): a local CUDA graph's replay writes its
@@ -656,6 +681,15 @@ class HiggsDDP(DistributedDataParallel):
         self._higgs.trace = [] if enabled else None
         return self._higgs.trace
 
+    def set_first_moments(self, moments: FirstMoments) -> None:
+        """Where sync 'onebit' reads Adam's first moments (the optimizer wrapper's)."""
+        self._higgs.first_moments = moments
+
+    @staticmethod
+    def param_slot(param: torch.nn.Parameter, grad_data: torch.Tensor) -> ParamSlot:
+        """Where ``param``'s gradient sits in the bucket ``grad_data``."""
+        return _slot_in_bucket(param, grad_data)
+
     def set_sync_timeout(self, seconds: float | None) -> None:
         """Give up on a step's sync when a wait for it takes longer than ``seconds`` (see
         ``take_sync_failure``). Bounded waits block the host on both backends (``reduce.wire.StepWaits``)."""
@@ -719,9 +753,12 @@ class HiggsDDP(DistributedDataParallel):
             group._rollback()
 
     def _residual_buffers(self) -> dict[str, tuple[HiggsBucketGroup, ResidualBuffer]]:
-        return {f"group{g.higgs_index}.bucket{i}": (g, residual)
-                for g in self.higgs_bucket_groups for i, residual in enumerate(g.higgs_residuals)
-                if residual is not None}
+        """Every residual, the agreed form's owners' included: what a rank keeps of gradient mass
+        not yet sent, saved per rank and dropped on a heal."""
+        return {f"group{g.higgs_index}.bucket{i}{suffix}": (g, residual)
+                for g in self.higgs_bucket_groups
+                for suffix, residuals in (("", g.higgs_residuals), (".owner", g.higgs_owner_residuals))
+                for i, residual in enumerate(residuals) if residual is not None}
 
     def _score_buffers(self) -> dict[str, tuple[HiggsBucketGroup, ScoreBuffer]]:
         return {f"group{g.higgs_index}.bucket{i}.scores": (g, scores)

@@ -79,15 +79,18 @@ def check_supported(torch_optimizer: torch.optim.Optimizer, flag: str) -> None:
 
 
 def freeze_variance(torch_optimizer: torch.optim.Optimizer, freeze_step: int,
-                    thawed: Callable[[int], bool] | None = None) -> None:
+                    thawed: Callable[[int], bool] | None = None, first_moment_given: bool = False) -> None:
     """From Adam step ``freeze_step`` on, update with the second moment of that step (see the
     module docstring); ``thawed(step)``: whether the update from ``step`` (0-based, the updates
     done before it) takes torch's own Adam after all, which moves the second moment (the
     refresh windows of ``grad_paths.DensitySchedule.refresh_window``). Only this instance's ``step`` is
     replaced: torch pickles an optimizer without it, so a copy made that way is plain AdamW
-    until frozen again."""
+    until frozen again. ``first_moment_given``: a frozen step's gradient is the first moment
+    itself (1-bit Adam's exchange, ``first_moment``): it replaces ``exp_avg`` instead of being
+    averaged into it."""
     check_supported(torch_optimizer, "freeze_variance")
     torch_optimizer._higgs_freeze_step = freeze_step
+    torch_optimizer._higgs_first_moment_given = first_moment_given
     torch_optimizer._higgs_thawed = thawed or (lambda step: False)
     torch_optimizer.step = types.MethodType(_step, torch_optimizer)
 
@@ -147,7 +150,10 @@ def _frozen_step(torch_optimizer: torch.optim.Optimizer, frozen: set[int]) -> No
             s["step"] += 1
         if weight_decay:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        if torch_optimizer._higgs_first_moment_given:
+            torch._foreach_copy_(exp_avgs, grads)
+        else:
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         denominators = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
         torch._foreach_div_(denominators, (1 - beta2 ** freeze_step) ** 0.5)
         torch._foreach_add_(denominators, eps)

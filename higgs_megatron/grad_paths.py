@@ -115,6 +115,7 @@ class StepLaunch:
     timer: DeviceTimer  # the compression's time
     residuals: list[ResidualBuffer | None]
     scores: list[ScoreBuffer | None]
+    owner_residuals: list[ResidualBuffer | None]  # the agreed form's owners'; None elsewhere
     kept: bool  # whether the optimizer took the last sync's step: what it staged is kept, else dropped
     group_index: int  # the bucket group's index: with a bucket's, the selector's key (``key``)
     megatron: Callable[[int, torch.Tensor, "StepLaunch"], Any]  # Megatron's own collective for bucket idx
@@ -296,9 +297,20 @@ class AgreedForm:
         return (ring_factor("all_to_all", world) * world * row + gather
                 + ring_factor("all_reduce", world) * (plan.score_bytes() + plan.always_bytes(self.dtype)))
 
+    @staticmethod
+    def expected(grad: torch.Tensor, residual: ResidualBuffer | None) -> torch.Tensor:
+        """What the next step would send: what is left, plus this step's gradient standing in
+        for the next (what the block scores rank)."""
+        if residual is None:
+            return grad
+        expected = grad.add(residual.staged)
+        if not residual.committed_zero:
+            expected.sub_(residual.committed)
+        return expected
+
     def launch(self, step: StepLaunch, idx: int, grad: torch.Tensor, density: float,
                payload: Payload | None = None) -> Any:
-        plan, residual, scores = self.plan, step.residuals[idx], step.scores[idx]
+        plan, residual, scores, owner = self.plan, step.residuals[idx], step.scores[idx], step.owner_residuals[idx]
         value_format = payload.name if payload is not None else plan.value_format
         layout = plan.layout(density)
         with step.timer.measure(grad.device):
@@ -306,24 +318,20 @@ class AgreedForm:
                 residual.accumulate(grad, step.kept)
             step.check(grad)
             scores.settle(step.kept)
+            if owner is not None:
+                owner.settle(step.kept)
             positions, real = plan.select(scores.committed, density)
             values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
-            rows, rounded = pack_rows(values, value_format, layout.span)
+            rows, rounded = pack_rows(values, value_format, layout.span, real)
             always = grad.index_select(0, plan.always_positions)  # sent whole, summed by an all-reduce
-            # What the next step would send: what is left, plus this step's gradient standing in for the next.
-            if residual is None:
-                expected = grad
-            else:
+            if residual is not None:
                 residual.stage(grad, SparseGrad(always, plan.always_positions, positions.view(-1), rounded.view(-1)))
-                expected = grad.add(residual.staged)
-                if not residual.committed_zero:
-                    expected.sub_(residual.committed)
-            local_scores = plan.scores(expected)
+            local_scores = plan.scores(self.expected(grad, residual)) if plan.scored else None
         step.stats.bytes_sent += (rows.numel() + plan.score_bytes() + plan.always_bytes(grad.dtype)
                                   + (rows.shape[1] if self.gather else 0))
         step.count(dense=payload is DENSE_INT8)
-        return launch_agreed(step.comm, plan, density, value_format, positions, rows, always, local_scores,
-                             scores, residual, grad, step.group, self.gather, async_op=step.async_op)
+        return launch_agreed(step.comm, plan, density, value_format, positions, real, rows, always, local_scores,
+                             scores, residual, owner, grad, step.group, self.gather, async_op=step.async_op)
 
 
 def owner_density(density: float, sum_density_factor: float, payload: Payload | None = None) -> float:

@@ -8,8 +8,10 @@
   [per model chunk]}``; ``sharded_state_dict()`` adds each rank's residuals as per-rank
   ``ShardedObject``s (never in the common part, which only rank 0 writes); the load
   methods restore them. Residuals are per rank: they belong to this rank's gradients.
-* **A frozen second moment**, with ``freeze_adam_variance``: from the end of the dense stage
-  (``dense_iters`` Adam steps) every torch AdamW inside takes ``frozen_variance``'s update.
+* **A frozen second moment**, with ``freeze_adam_variance`` or ``sync='onebit'``: from the end
+  of the dense stage (``dense_iters`` Adam steps) every torch AdamW inside takes
+  ``frozen_variance``'s update. Under ``onebit`` that update takes the synced gradient as its
+  first moment, and each chunk is handed Adam's first moments (``first_moment.FirstMoments``).
 * **One decision per step** (``stability.alignment.StepDecision``). Before stepping, each
   rank's inputs (whether its local gradients held a NaN/inf: a device flag HiggsDDP records
   during the sync; why its sync cannot be trusted, if a bounded wait ran out) are agreed on
@@ -37,6 +39,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from .checkpoint.state import residual_objects, torch_optimizers
 from .ddp import HiggsDDP
 from .device import collective_device
+from .first_moment import FirstMoments, MomentSlot, adam_beta1, main_params
 from .frozen_variance import check_supported, freeze_variance
 from .grad_paths import DensitySchedule
 from .stability.alignment import StepDecision, Verdict
@@ -62,12 +65,17 @@ class HiggsOptimizer(MegatronOptimizer):
             chunk.track_nonfinite(True)
         self._ledgers = [chunk.step_ledger() for chunk in self.model_chunks]
         config = self.model_chunks[0].higgs_config if self.model_chunks else None
-        if config is not None and config.freeze_adam_variance:
+        if config is not None and config.freezes_variance:
+            flag = "--higgs-sync onebit" if config.first_moment_exchange else "--higgs-freeze-adam-variance"
             inner = [torch_optimizer for _, torch_optimizer in torch_optimizers(optimizer)]
             for torch_optimizer in inner:  # all checked before any is changed
-                check_supported(torch_optimizer, "--higgs-freeze-adam-variance")
+                check_supported(torch_optimizer, flag)
+            moments = _first_moments(optimizer, self.model_chunks) if config.first_moment_exchange else None
             for torch_optimizer in inner:
-                freeze_variance(torch_optimizer, config.dense_iters, thawed=DensitySchedule.of(config).refresh_window)
+                freeze_variance(torch_optimizer, config.dense_iters, thawed=DensitySchedule.of(config).refresh_window,
+                                first_moment_given=config.first_moment_exchange)
+            for chunk, chunk_moments in zip(self.model_chunks, moments or []):
+                chunk.set_first_moments(chunk_moments)
 
     def __getattr__(self, name: str):
         if name == "inner":  # not yet set (during unpickling)
@@ -150,6 +158,37 @@ class HiggsOptimizer(MegatronOptimizer):
         """Restore residuals from what ``dist_checkpointing.load`` returned for them."""
         for chunk, residuals in zip(self.model_chunks, loaded):
             chunk.load_residual_state(residuals.data if isinstance(residuals, ShardedObject) else residuals)
+
+
+def _first_moments(optimizer: MegatronOptimizer, model_chunks: list[HiggsDDP]) -> list[FirstMoments]:
+    """Each chunk's ``FirstMoments``: every bucket's parameters, with the torch optimizer that
+    steps each and the parameter it holds (ValueError naming a parameter no optimizer steps)."""
+    owners: dict[torch.Tensor, tuple[torch.optim.Optimizer, torch.Tensor]] = {}
+    betas = set()
+    for megatron_optimizer, torch_optimizer in torch_optimizers(optimizer):
+        betas.add(adam_beta1(torch_optimizer))
+        for model_param, main_param in main_params(megatron_optimizer, torch_optimizer).items():
+            owners[model_param] = (torch_optimizer, main_param)
+    if len(betas) != 1:
+        raise ValueError(f"--higgs-sync onebit needs one Adam beta1 across the optimizers, got {sorted(betas)}")
+    beta = betas.pop()
+    moments = []
+    for chunk in model_chunks:
+        slots = {}
+        for group in chunk.higgs_bucket_groups:
+            for idx, bucket in enumerate(group.buckets):
+                entries = []
+                for param in bucket.params_list:
+                    if param not in owners:
+                        name = next((n for n, p in chunk.named_parameters() if p is param), "?")
+                        raise ValueError(f"--higgs-sync onebit: parameter {name} is in a gradient bucket but no "
+                                         "optimizer steps it")
+                    torch_optimizer, main_param = owners[param]
+                    slot = chunk.param_slot(param, bucket.grad_data)
+                    entries.append(MomentSlot(slot.start, slot.end, torch_optimizer, main_param))
+                slots[(group.higgs_index, idx)] = entries
+        moments.append(FirstMoments(slots, beta))
+    return moments
 
 
 def _delegate(name: str):

@@ -36,8 +36,12 @@ def derived_schedule(given: dict[str, Any], train_iters: int, lr_warmup_iters: i
     in its metadata, was not given) with each such None filled from the run (see the module
     docstring)."""
     values = dict(given)
-    derived = {"compression_ratio": DENSITY, "payload": PAYLOAD, "dense_iters": lr_warmup_iters,
-               "density_warmup_iters": train_iters // RAMP_SHARE}
+    if values.get("sync") == "onebit":  # every coordinate, as a sign, from the end of the dense stage
+        derived = {"compression_ratio": 1.0, "payload": "sign", "dense_iters": lr_warmup_iters,
+                   "density_warmup_iters": 0}
+    else:
+        derived = {"compression_ratio": DENSITY, "payload": PAYLOAD, "dense_iters": lr_warmup_iters,
+                   "density_warmup_iters": train_iters // RAMP_SHARE}
     for name, value in derived.items():
         if values.get(name) is None:
             values[name] = value

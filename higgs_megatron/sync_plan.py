@@ -66,7 +66,8 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
     # top-k, with wire bytes per rank flat in P: auto weighs it against the all-gather, which it
     # beats from three ranks on (at two they put the same wire bytes per rank on the link; ties go to the all-gather).
     forms = {"auto": ("sparse", "sharded", "hierarchical"), "sparse": ("sparse",), "agreed": ("agreed",),
-             "sharded": ("sharded",), "hierarchical": ("hierarchical",)}.get(config.sync, ()) if compressible else ()
+             "sharded": ("sharded",), "hierarchical": ("hierarchical",),
+             "onebit": ("agreed",)}.get(config.sync, ()) if compressible else ()
     if "sharded" in forms and config.payload == "wide" and dtype != torch.float32:
         # The owner sums in fp32 and sends its sum back: wide values are sent in the gradient's
         # dtype, so a narrower gradient would be read as another width on the way back.
@@ -83,7 +84,8 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
     if "sharded" in forms:
         candidates["sharded"] = ShardedPlan(numel, slots, config.min_param_numel, world, device, config.payload)
     if "agreed" in forms:
-        candidates["agreed"] = AgreedPlan(numel, slots, config.min_param_numel, world, device, config.payload)
+        candidates["agreed"] = AgreedPlan(numel, slots, config.min_param_numel, world, device, config.payload,
+                                          scored=config.compression_ratio < 1.0)
     hierarchy = nodes is not None and (config.sync == "hierarchical" or instances
                                        or (nodes.nodes > 1 and nodes.ranks_per_node > 1))
     piece = None

@@ -30,9 +30,18 @@ where it holds one or two, ``ceil(density x blocks)`` sends it whole, and the ru
 sends more than dense sends the bucket dense.
 
 Values go on the wire in the format of ``--higgs-payload`` (``wide``: the gradient's dtype;
-``bf16``; ``int8``/``int4`` with an fp32 scale per ``SPAN`` slots of a row), with no positions:
-the positions are known to every rank. ``pack_rows`` rounds the values as the receiver will
-decode them, so the rounding stays in the error-feedback residual.
+``bf16``; ``int8``/``int4`` with an fp32 scale per ``SPAN`` slots of a row; ``sign``: one bit a
+slot with an fp32 scale per ``SIGN_SPAN`` slots), with no positions: the positions are known to
+every rank. ``pack_rows`` rounds the values as the receiver will decode them, so the rounding
+stays in the error-feedback residual.
+
+``sign`` is 1-bit Adam's exchange (Tang et al., 2021) on these rows: each slot is sent as the sign
+of its value, and a span's scale is the mean magnitude of its real slots (the scale that makes
+``scale x sign`` closest to the values in L2). A sign cannot say zero, so the padding slots, which
+every rank knows (``select``'s ``real``), are masked on both sides: they carry no magnitude into a
+scale and decode to 0. At density 1 every coordinate goes, nothing is selected, and a plan that
+never selects (``scored=False``) sends no block scores: about 1/32 of an fp32 all-reduce's wire
+bytes per step at any P, the owner's re-signed sums included.
 
 Scores (``scores``): per block, the sum of squares of what this rank expects to send next
 step, ``residual + gradient`` (the gradient stands in for the next one), summed over the ranks
@@ -53,8 +62,10 @@ from .compressor import ParamSlot, k_of
 
 BLOCK = 128  # coordinates per block: what one agreed score stands for
 SPAN = 256  # int8/int4: slots of a row per fp32 scale
-VALUE_FORMATS = ("wide", "bf16", "int8", "int4")
+SIGN_SPAN = 2048  # sign: slots of a row per fp32 scale (1/64 of a bit a slot)
+VALUE_FORMATS = ("wide", "bf16", "int8", "int4", "sign")
 _LEVELS = {"int8": 127, "int4": 7}
+_SCALED = ("int8", "int4", "sign")
 
 
 @dataclass(frozen=True)
@@ -74,7 +85,7 @@ class AgreedLayout:
 
     k_blocks: list[int]  # per piece
     width: int  # slots per row (the widest owner's)
-    span: int  # int8/int4: slots per scale
+    span: int  # int8/int4/sign: slots per scale
 
     @property
     def n_scales(self) -> int:
@@ -85,11 +96,12 @@ class AgreedPlan:
     """The shards, pieces and blocks of one bucket for a group of ``world`` ranks (see above)."""
 
     def __init__(self, numel: int, slots: list[ParamSlot], min_param_numel: int, world: int, device: torch.device,
-                 value_format: str = "wide", block: int = BLOCK) -> None:
+                 value_format: str = "wide", block: int = BLOCK, scored: bool = True) -> None:
         if value_format not in VALUE_FORMATS:
             raise ValueError(f"unknown value format {value_format!r}; expected one of {', '.join(VALUE_FORMATS)}")
         self.numel, self.world, self.block, self.device = numel, world, block, device
         self.value_format = value_format
+        self.scored = scored  # False: every step is at density 1, so no block is ever chosen by score
         self.shard = -(-numel // world)
         self.pieces: list[Piece] = []
         block_starts: list[int] = []
@@ -130,17 +142,18 @@ class AgreedPlan:
             per_owner = [0] * self.world
             for piece, k in zip(self.pieces, k_blocks):  # a piece sent whole takes its own length
                 per_owner[piece.owner] += piece.end - piece.start if k == piece.n_blocks else k * self.block
-            width = max(1, max(per_owner))
-            width += width % 2  # int4: two codes a byte, whole bytes per row
-            self._layouts[density] = AgreedLayout(k_blocks, width, min(SPAN, width))
+            multiple = 8 if self.value_format == "sign" else 2  # whole bytes per row: 8 signs, or 2 int4 codes
+            width = -(-max(1, max(per_owner)) // multiple) * multiple
+            span = SIGN_SPAN if self.value_format == "sign" else SPAN
+            self._layouts[density] = AgreedLayout(k_blocks, width, min(span, width))
         return self._layouts[density]
 
     def row_bytes(self, density: float, dtype: torch.dtype, value_format: str | None = None) -> int:
         """Bytes of one row on the wire (padded to 4), in the plan's value format or ``value_format``."""
         layout, value_format = self.layout(density), value_format or self.value_format
         size = {"wide": dtype.itemsize * layout.width, "bf16": 2 * layout.width, "int8": layout.width,
-                "int4": layout.width // 2}[value_format]
-        if value_format in _LEVELS:
+                "int4": layout.width // 2, "sign": layout.width // 8}[value_format]
+        if value_format in _SCALED:
             size += 4 * layout.n_scales
         return -(-size // 4) * 4
 
@@ -149,8 +162,8 @@ class AgreedPlan:
         return self.always_positions.numel() * dtype.itemsize
 
     def score_bytes(self) -> int:
-        """Bytes of the scores' all-reduce (bf16, one per block)."""
-        return 2 * self.n_blocks
+        """Bytes of the scores' all-reduce (bf16, one per block; none where nothing is scored)."""
+        return 2 * self.n_blocks if self.scored else 0
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 [n_blocks]: each block's sum of squares of ``x``."""
@@ -203,15 +216,19 @@ class AgreedPlan:
         return positions, real
 
 
-def pack_rows(values: torch.Tensor, value_format: str, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_rows(values: torch.Tensor, value_format: str, span: int, real: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 [rows, row bytes] for the wire, the values as the receiver decodes them) from
-    ``values`` [rows, width]: fp32 scales per ``span`` slots then codes for int8/int4."""
+    ``values`` [rows, width]: fp32 scales per ``span`` slots then codes for int8/int4/sign.
+    ``real`` (bool [rows, width]; ``sign`` needs it) marks the slots that are not padding."""
     rows, width = values.shape
     if value_format == "wide":
         return _pad4(values.contiguous().view(torch.uint8).view(rows, -1)), values
     if value_format == "bf16":
         wire = values.to(torch.bfloat16)
         return _pad4(wire.view(torch.uint8).view(rows, -1)), wire.to(values.dtype)
+    if value_format == "sign":
+        return _pack_signs(values, span, real)
     levels = _LEVELS[value_format]
     n_scales = -(-width // span)
     padded = torch.nn.functional.pad(values.float(), (0, n_scales * span - width))
@@ -225,8 +242,9 @@ def pack_rows(values: torch.Tensor, value_format: str, span: int) -> tuple[torch
     return _pad4(torch.cat([scales.view(torch.uint8).view(rows, -1), body], dim=1)), rounded
 
 
-def unpack_rows(wire: torch.Tensor, value_format: str, width: int, span: int, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, width] values in ``dtype`` from ``pack_rows``' bytes."""
+def unpack_rows(wire: torch.Tensor, value_format: str, width: int, span: int, dtype: torch.dtype,
+                real: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, width] values in ``dtype`` from ``pack_rows``' bytes (``real`` as there)."""
     rows = wire.shape[0]
     if value_format == "wide":
         return wire.narrow(1, 0, width * dtype.itemsize).contiguous().view(dtype)
@@ -234,10 +252,43 @@ def unpack_rows(wire: torch.Tensor, value_format: str, width: int, span: int, dt
         return wire.narrow(1, 0, 2 * width).contiguous().view(torch.bfloat16).to(dtype)
     n_scales = -(-width // span)
     scales = wire.narrow(1, 0, 4 * n_scales).contiguous().view(torch.float32)
+    per_slot = scales.repeat_interleave(span, dim=1).narrow(1, 0, width)
+    if value_format == "sign":
+        positive = _from_bits(wire.narrow(1, 4 * n_scales, width // 8))
+        return torch.where(real, torch.where(positive, per_slot, per_slot.neg()), 0).to(dtype)
     body = wire.narrow(1, 4 * n_scales, width if value_format == "int8" else width // 2)
     codes = body.contiguous().view(torch.int8) if value_format == "int8" else _from_nibbles(body)
-    per_slot = scales.repeat_interleave(span, dim=1).narrow(1, 0, width)
     return (codes.float() * per_slot).to(dtype).view(rows, width)
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """uint8 [8]: 1, 2, 4 ... 128 on ``device``, made there (no host tensor copied in the gradient path)."""
+    return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=device),
+                                    torch.arange(8, dtype=torch.uint8, device=device))
+
+
+def _pack_signs(values: torch.Tensor, span: int, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_rows`` for ``sign``: per span, the mean magnitude of its real slots (1 where it has
+    none, so that nothing divides by 0 on the way back); a bit per slot, set where the value is
+    0 or more; padding decodes to 0."""
+    rows, width = values.shape
+    n_scales = -(-width // span)
+    fill = n_scales * span - width
+    magnitudes = torch.where(real, values.abs().float(), 0)
+    sums = torch.nn.functional.pad(magnitudes, (0, fill)).view(rows, n_scales, span).sum(2)
+    counts = torch.nn.functional.pad(real, (0, fill)).view(rows, n_scales, span).sum(2, dtype=torch.float32)
+    scales = torch.where(counts > 0, sums / counts.clamp(min=1), 1.0)
+    per_slot = scales.repeat_interleave(span, dim=1).narrow(1, 0, width)
+    positive = values >= 0
+    rounded = torch.where(real, torch.where(positive, per_slot, per_slot.neg()), 0).to(values.dtype)
+    bits = (positive.view(rows, width // 8, 8).to(torch.uint8) * _bit_weights(values.device)).sum(2, dtype=torch.uint8)
+    return _pad4(torch.cat([scales.view(torch.uint8).view(rows, -1), bits], dim=1)), rounded
+
+
+def _from_bits(packed: torch.Tensor) -> torch.Tensor:
+    """bool [rows, 8 x bytes] from ``_pack_signs``' bits."""
+    rows = packed.shape[0]
+    return torch.bitwise_and(packed.unsqueeze(2), _bit_weights(packed.device)).ne(0).view(rows, -1)
 
 
 def _pad4(rows: torch.Tensor) -> torch.Tensor:

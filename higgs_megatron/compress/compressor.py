@@ -376,13 +376,17 @@ class ResidualBuffer:
         self.staged_zero = False
         self.has_staged = True
 
-    def add_staged(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` at ``positions`` to the residual just staged (an owner's rounding of the
-        sums it hands back, ``reduce.agreed_reduce``)."""
-        if self.staged_zero:
+    def stage_replacing(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Stage the committed residual with ``values`` written at ``positions`` (an owner's
+        rounding of the sums it hands back, ``reduce.agreed_reduce``; the positions it did not
+        send keep what they held)."""
+        if self.committed_zero:
             self.staged.zero_()
-            self.staged_zero = False
-        self.staged.index_add_(0, positions, values)
+        else:
+            self.staged.copy_(self.committed)
+        self.staged.index_copy_(0, positions, values.to(self.staged.dtype))
+        self.staged_zero = False
+        self.has_staged = True
 
     def staging(self) -> torch.Tensor:
         """The staged buffer, for a caller that writes the new residual itself (every

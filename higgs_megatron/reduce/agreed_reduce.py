@@ -11,11 +11,14 @@ the same calls with the same sizes:
 2. ``finish`` (after waiting for those): the owner decodes the P rows it received and sums them in fp32
    (the same sum on any rank: one rank computes it). With the distributed optimizer that sum
    is the shard of the bucket the optimizer reads, written into it; nothing more goes out.
-   Without it, the owner rounds its sums to the wire format, keeps the rounding in its own
-   error-feedback residual (so what the rounding drops reaches a later step: two-level error
-   feedback, as DoubleSqueeze), and an all-gather brings every owner's rounded sums to every
-   rank, which writes them at their positions: the same bytes, so the same gradient, on every
-   rank. Wire: (P-1)/P of the rows again.
+   Without it, the owner adds its own residual to its sums, rounds them to the wire format and
+   keeps the rounding in that residual (so what the rounding drops reaches a later step: two-level
+   error feedback, as DoubleSqueeze and 1-bit Adam's server error), and an all-gather brings every
+   owner's rounded sums to every rank, which writes them at their positions: the same bytes, so
+   the same gradient, on every rank. Wire: (P-1)/P of the rows again. The owner's residual is
+   its own buffer over its shard's coordinates, not the rank's residual: it holds an error of the
+   *sum* over P ranks, which in a rank's next row would outweigh that rank's own share and be
+   rounded again there (with signs, a scale P times too large for its row).
 
 Stream order (CUDA): the rows and the scores are computed on the current stream before the
 launch, NCCL's streams wait for it; ``finish`` waits and then runs on the current stream, as
@@ -45,14 +48,16 @@ class PendingAgreed:
     density: float
     value_format: str
     positions: torch.Tensor  # int64 [world, width], the same on every rank
+    real: torch.Tensor  # bool [world, width]: the slots that are not padding, the same on every rank
     received: torch.Tensor  # uint8 [world, row bytes]: row p is peer p's values for this rank's shard
     always: torch.Tensor  # the always-sent values, being summed
     work: object
-    scores: torch.Tensor  # bf16 [n_blocks], being summed
+    scores: torch.Tensor | None  # bf16 [n_blocks], being summed (None: the plan scores nothing)
     score_work: object
     always_work: object
     score_buffer: ScoreBuffer
     residual: ResidualBuffer | None
+    owner_residual: ResidualBuffer | None  # fp32, this rank's shard and a spare last coordinate: the owner's rounding
     target: torch.Tensor
     gather: bool  # False: only this rank's shard of ``target`` is wanted (the distributed optimizer's)
 
@@ -68,9 +73,10 @@ class PendingAgreed:
             return
         layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
         rank = self.comm.rank(self.group)
-        sums = unpack_rows(self.received, fmt, layout.width, layout.span, torch.float32).sum(0, keepdim=True)
-        self.score_buffer.staged = self.scores.float()
-        mine = self.positions.select(0, rank)
+        mine, mine_real = self.positions.select(0, rank), self.real.narrow(0, rank, 1)
+        sums = unpack_rows(self.received, fmt, layout.width, layout.span, torch.float32, mine_real).sum(0, keepdim=True)
+        if self.scores is not None:
+            self.score_buffer.staged = self.scores.float()
         if not self.gather:
             lo = min(rank * self.plan.shard, self.target.numel())
             hi = min(lo + self.plan.shard, self.target.numel())
@@ -78,30 +84,36 @@ class PendingAgreed:
             self.target.index_add_(0, mine, sums.view(-1).to(dtype))
             self.target.index_copy_(0, self.plan.always_positions, self.always)
             return
-        wire, rounded = pack_rows(sums, fmt, layout.span)
-        if self.residual is not None and fmt != "wide":
-            self.residual.add_staged(mine, sums.view(-1).to(dtype) - rounded.view(-1).to(dtype))
+        owner = self.owner_residual if fmt != "wide" else None
+        # this rank's slots as coordinates of its shard; padding to the owner residual's spare last one
+        in_shard = torch.where(mine_real.view(-1), mine - rank * self.plan.shard, self.plan.shard)
+        if owner is not None and not owner.committed_zero:
+            sums.add_(owner.committed.index_select(0, in_shard).unsqueeze(0))
+        wire, rounded = pack_rows(sums, fmt, layout.span, mine_real)
+        if owner is not None:  # what was sent leaves the residual; the coordinates not sent keep theirs
+            owner.stage_replacing(in_shard, (sums - rounded.float()).view(-1))
         gathered = torch.empty_like(self.received)
         waits.issue(self.comm.all_gather, gathered, wire, self.group)
-        values = unpack_rows(gathered, fmt, layout.width, layout.span, dtype)
+        values = unpack_rows(gathered, fmt, layout.width, layout.span, dtype, self.real)
         self.target.zero_()
         self.target.index_add_(0, self.positions.view(-1), values.view(-1))
         self.target.index_copy_(0, self.plan.always_positions, self.always)
 
 
 def launch_agreed(comm: Collectives, plan: AgreedPlan, density: float, value_format: str, positions: torch.Tensor,
-                  rows: torch.Tensor, always: torch.Tensor,
-                  scores: torch.Tensor, score_buffer: ScoreBuffer, residual: ResidualBuffer | None,
-                  target: torch.Tensor, group: dist.ProcessGroup, gather: bool, async_op: bool = True) -> PendingAgreed:
+                  real: torch.Tensor, rows: torch.Tensor, always: torch.Tensor,
+                  scores: torch.Tensor | None, score_buffer: ScoreBuffer, residual: ResidualBuffer | None,
+                  owner_residual: ResidualBuffer | None, target: torch.Tensor, group: dist.ProcessGroup, gather: bool,
+                  async_op: bool = True) -> PendingAgreed:
     """Start step 1 for ``rows`` (``pack_rows``' bytes, row j for rank j), the ``always``-sent
-    values (summed in place) and this rank's block ``scores`` (fp32); the caller later calls
-    ``finish()`` on what this returns."""
+    values (summed in place) and this rank's block ``scores`` (fp32; None where the plan scores
+    nothing: every rank's plan is the same); the caller later calls ``finish()`` on what this returns."""
     received = torch.empty_like(rows)
     work = comm.all_to_all(received, rows, group, async_op=async_op)
     # (none where the bucket has no small parameter: every rank's plan is the same)
     always_work = comm.all_reduce(always, group, async_op=async_op) if always.numel() else None
-    wire_scores = scores.to(torch.bfloat16)
-    score_work = comm.all_reduce(wire_scores, group, async_op=async_op)
-    return PendingAgreed(comm, group, plan, density, value_format, positions, received, always,
+    wire_scores = None if scores is None else scores.to(torch.bfloat16)
+    score_work = None if scores is None else comm.all_reduce(wire_scores, group, async_op=async_op)
+    return PendingAgreed(comm, group, plan, density, value_format, positions, real, received, always,
                          work if async_op else None, wire_scores, score_work if async_op else None,
-                         always_work if async_op else None, score_buffer, residual, target, gather)
+                         always_work if async_op else None, score_buffer, residual, owner_residual, target, gather)

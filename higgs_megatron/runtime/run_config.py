@@ -107,6 +107,25 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+def _onebit(args: argparse.Namespace) -> bool:
+    return bool(args.use_higgs) and args.higgs_sync == "onebit"
+
+
+_ONEBIT = _flag("--higgs-sync onebit", _onebit)
+RULES += (
+    Rule("--higgs-sync onebit", "--optimizer adam", _ONEBIT, lambda a: a.optimizer == "adam",
+         "it exchanges Adam's first moment"),
+    Rule("--higgs-sync onebit", "--use-distributed-optimizer", _ONEBIT, lambda a: not a.use_distributed_optimizer,
+         "a rank holds Adam's state of its own shard only, and its share of the first moment needs all of it",
+         word="does not work with"),
+    Rule("--higgs-sync onebit", "--higgs-replicas", _ONEBIT, lambda a: not elastic_flags_given(a),
+         "a replica's share of the first moment is sized by the quorum", front_ends=(PRETRAIN,),
+         word="does not work with"),
+    Rule("--higgs-sync onebit", "--higgs-offload", _ONEBIT, lambda a: not a.higgs_offload,
+         "the sync reads Adam's first moment on the device in the backward pass", word="does not work with"),
+)
+
+
 def check_rules(args: argparse.Namespace, front_end: str) -> None:
     """The first rule of ``front_end`` that ``args`` breaks, as a ``UsageError``."""
     for rule in RULES:

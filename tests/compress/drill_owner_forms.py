@@ -8,7 +8,7 @@ import torch
 
 from higgs_megatron_bench.ranks import run_ranks
 from tests.workers.common import train_variants_on_the_compressed_form
-from tests.workers.higgs_ddp import owner_sum_invariants
+from tests.workers.higgs_ddp import check_owner_sum_invariants, owner_sum_invariants
 
 
 def _argv(tiny_gpt_args, world_size, layout, extra):
@@ -48,11 +48,4 @@ def test_the_sync_keeps_replicas_equal_and_conserves(form, world_size, layout, p
     argv = _argv(tiny_gpt_args, world_size, layout, distopt + [
         "--use-higgs", "--higgs-sync", form, "--higgs-min-bucket-numel", "0", "--clip-grad", "0",
         "--higgs-min-param-numel", "256", "--higgs-payload", *payload])
-    outs = run_ranks(owner_sum_invariants, world_size, args=(argv,), timeout=400)
-    by_shard = {}
-    for out in outs:
-        assert out["compressed_steps"] >= 3 and out["gaps"] and max(out["gaps"]) < 1e-6, out["gaps"]
-        by_shard.setdefault((out["coords"]["tp"], out["coords"]["pp"]), []).append(out["params"])
-    for shard, replicas in by_shard.items():
-        for name, value in replicas[0].items():
-            assert torch.equal(value, replicas[1][name]), f"DP replicas differ at {name} (tp, pp) = {shard}"
+    check_owner_sum_invariants(run_ranks(owner_sum_invariants, world_size, args=(argv,), timeout=400))

@@ -48,3 +48,30 @@ def test_rows_decode_to_what_pack_rounded(value_format):
     assert torch.equal(unpack_rows(wire, value_format, 300, 256, torch.float32), rounded)
     error = {"wide": 0.0, "bf16": 2 ** -8, "int8": 1 / 254, "int4": 1 / 14}[value_format]
     assert float((values - rounded).abs().max()) <= error * float(values.abs().max()) * 1.01
+
+
+def test_signs_decode_to_what_pack_rounded_with_the_mean_magnitude_of_real_slots():
+    """``sign``: one bit a slot and a scale per span, the mean magnitude of the span's real
+    slots; padding (not real) carries nothing into a scale and decodes to 0 on both sides."""
+    generator = torch.Generator().manual_seed(2)
+    values = torch.randn(3, 4096, generator=generator)
+    real = torch.rand(3, 4096, generator=generator) > 0.25
+    values = torch.where(real, values, 0)
+    wire, rounded = pack_rows(values, "sign", 2048, real)
+    assert wire.shape == (3, 4 * 2 + 4096 // 8)
+    assert torch.equal(unpack_rows(wire, "sign", 4096, 2048, torch.float32, real), rounded)
+    assert bool((rounded[~real] == 0).all())
+    for row in range(3):
+        for span in range(2):
+            cut = slice(span * 2048, (span + 1) * 2048)
+            mask = real[row, cut]
+            scale = values[row, cut][mask].abs().mean()
+            torch.testing.assert_close(rounded[row, cut][mask], torch.where(values[row, cut][mask] >= 0, scale, -scale))
+
+
+def test_a_sign_plan_sends_every_parameter_in_rows_of_whole_bytes_and_no_scores():
+    plan = AgreedPlan(5003, SLOTS, 64, 4, CPU, "sign", scored=False)
+    layout = plan.layout(1.0)
+    assert layout.width % 8 == 0 and layout.span == min(2048, layout.width)
+    assert plan.score_bytes() == 0
+    assert plan.row_bytes(1.0, torch.float32) == -(-(layout.width // 8 + 4 * layout.n_scales) // 4) * 4

@@ -1,0 +1,89 @@
+"""1-bit Adam's exchange: each data-parallel rank sends its own view of Adam's first moment.
+
+Why. After the dense stage a compressed step sends every coordinate as a sign with one scale a
+span (``compress.agreed``'s ``sign`` rows), its error kept in the error-feedback residual. Sent
+as the sign of each rank's *gradient*, the error is that of a noisy 1/P of the batch, and the
+sum carries it into Adam's first moment step after step. 1-bit Adam (Tang et al., 2021) sends
+each rank's *momentum* instead, ``m_i = beta m + (1 - beta) g_i``: most of it is the first
+moment ``m`` every rank already holds, so its sign is mostly the moment's and the error is
+small beside it, whatever P is. The sum over the ranks is the next first moment.
+
+How, with Megatron's loop and optimizer unchanged:
+
+* **The sync** (``HiggsBucketGroup`` in a compressed step of ``sync='onebit'``): before any path
+  reads a bucket, ``to_local_momentum`` turns this rank's gradient (already pre-scaled by
+  Megatron for the group's sum) into its share of the next moment, ``(1 - beta) g + share x beta
+  m``, where ``share`` makes the ranks' shares of ``beta m`` add up to ``beta m``. Every path
+  sums (the sign rows, and Megatron's own all-reduce for a bucket that stays dense), so every
+  bucket ends holding ``beta m + (1 - beta) mean(g)``, less what the signs left in the residuals.
+* **The optimizer** (``frozen_variance`` with ``first_moment_given``): Adam's second moment is
+  frozen from the end of the dense stage, and a frozen step takes the synced gradient as its
+  first moment, not averaging it in again. Megatron's gradient clipping, when on, clips that
+  moment: the size of the update.
+* **Where ``m`` comes from** (``FirstMoments``): Adam's own ``exp_avg``, added per parameter into
+  the bucket at each compressed step (one fused add on the device). The sync keeps no moment
+  of its own, so checkpoints, reshards and heals carry it as the optimizer state it is.
+
+Not with the distributed optimizer (a rank holds Adam's state of its shard only, and a rank's
+share needs the whole moment), elastic replicas, several optimizer instances, or optimizer
+state offloaded to the host: each is refused before any process group exists
+(``runtime.run_config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MomentSlot:
+    """One parameter's place in a bucket, and where Adam keeps its state."""
+
+    start: int  # the parameter's gradient in its bucket: [start, end)
+    end: int
+    optimizer: torch.optim.Optimizer  # the torch optimizer that steps it
+    main_param: torch.Tensor  # the parameter that optimizer holds (a model param, or its fp32 main copy)
+
+
+class FirstMoments:
+    """Adam's first moment of every parameter of one model chunk's buckets, by (bucket group
+    index, bucket index); made by the optimizer wrapper, which knows the main parameters."""
+
+    def __init__(self, slots: dict[tuple[int, int], list[MomentSlot]], beta: float) -> None:
+        self.slots, self.beta = slots, beta
+
+    def to_local_momentum(self, key: tuple[int, int], grad: torch.Tensor, share: float) -> None:
+        """``grad = (1 - beta) grad + share x beta x exp_avg`` in place, for the bucket ``key``; a
+        parameter Adam has not stepped yet has no moment and adds nothing. No host sync: a
+        scale and one fused add over the parameters' views."""
+        grad.mul_(1 - self.beta)
+        views, moments = [], []
+        for slot in self.slots[key]:
+            exp_avg = slot.optimizer.state.get(slot.main_param, {}).get("exp_avg")
+            if exp_avg is not None:
+                views.append(grad.narrow(0, slot.start, slot.end - slot.start))
+                moments.append(exp_avg.view(-1))
+        if views:
+            torch._foreach_add_(views, moments, alpha=share * self.beta)
+
+
+def main_params(megatron_optimizer, torch_optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:
+    """model param -> the parameter ``torch_optimizer`` steps for it: its fp32 main copy under
+    Megatron's mixed-precision optimizer (``float16_groups`` beside ``fp32_from_float16_groups``),
+    itself otherwise."""
+    mapping = {p: p for group in torch_optimizer.param_groups for p in group["params"]}
+    for model_group, main_group in zip(getattr(megatron_optimizer, "float16_groups", []),
+                                       getattr(megatron_optimizer, "fp32_from_float16_groups", [])):
+        mapping.update(zip(model_group, main_group))
+    return mapping
+
+
+def adam_beta1(torch_optimizer: torch.optim.Optimizer) -> float:
+    """The first-moment decay every parameter group of ``torch_optimizer`` shares (ValueError if
+    they differ: the ranks' shares of the moment are made with one)."""
+    betas = {group["betas"][0] for group in torch_optimizer.param_groups}
+    if len(betas) != 1:
+        raise ValueError(f"--higgs-sync onebit needs one Adam beta1 for every parameter group, got {sorted(betas)}")
+    return betas.pop()
