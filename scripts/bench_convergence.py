@@ -19,6 +19,11 @@ the whole run and per step at the end, and tokens/s. The runs (``--runs``, in th
   measured; ``docs/experiments/convergence.md``);
 * ``agreed``: the lean schedule on the agreed form (``--higgs-sync agreed``: every rank the same
   blocks, summed by an all-to-all, so its wire bytes per rank do not grow with the DP size);
+* ``onebit``: ``--use-higgs --higgs-sync onebit``, 1-bit Adam's exchange (``first_moment``): a
+  dense stage as long as the learning-rate warm-up (its steps in int8), then every rank's share
+  of Adam's first moment, every coordinate as a sign, summed by the agreed exchange, Adam's
+  second moment frozen (``--onebit-refresh-iters`` refreshes it in dense windows at 2, 4, 8...
+  times the dense stage);
 * ``no-ef``: ``ef`` without error feedback.
 
 Writes ``convergence.md`` and ``convergence.png`` (the validation-loss curves, and each run's
@@ -51,7 +56,7 @@ from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
 log = get_logger("bench_convergence")
 
 
-RUNS = ("dense", "peer", "ef", "lean", "agreed", "sharded", "no-ef")
+RUNS = ("dense", "peer", "ef", "lean", "agreed", "sharded", "onebit", "no-ef")
 
 
 def runs_list(value: str) -> list[str]:
@@ -100,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="freeze Adam's second moment after the dense stage (--higgs-freeze-adam-variance)")
     parser.add_argument("--lean-refresh-iters", type=int, default=None, help="with --lean-freeze-variance: "
                         "--higgs-variance-refresh-iters (default: benchmarks.lean_flags's; 0: the second moment stays frozen)")
+    parser.add_argument("--onebit-dense-iters", type=int, default=None,
+                        help="onebit: --higgs-dense-iters (default: the learning-rate warm-up)")
+    parser.add_argument("--onebit-refresh-iters", type=int, default=0,
+                        help="onebit: --higgs-variance-refresh-iters (default 0: the second moment stays frozen)")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--runs", default="dense,peer,ef,lean", type=runs_list,
                         help=f"comma-separated, from {', '.join(RUNS)} (dense is needed: the ratios are to it)")
@@ -125,6 +134,9 @@ def main() -> int:
               "--overlap-grad-reduce", "--ddp-bucket-size", "250000", *args.extra]
     higgs = higgs_flags(args.density, args.train_iters, args.dense_iters, args.density_warmup_iters)
     lean = lean_schedule(args)
+    onebit = ["--use-higgs", "--higgs-sync", "onebit", "--higgs-variance-refresh-iters", str(args.onebit_refresh_iters)]
+    if args.onebit_dense_iters is not None:
+        onebit += ["--higgs-dense-iters", str(args.onebit_dense_iters)]
     peer = [flag for flag in common if flag != "--overlap-grad-reduce"]  # torch DDP always overlaps
     configurations = {
         "dense": ("megatron-ddp (dense, fp32)", common, "examples/pretrain_gpt.py"),
@@ -140,6 +152,7 @@ def main() -> int:
         "sharded": (f"higgs sharded top-k {args.lean_density:g}, {args.lean_payload} payload, {args.lean_dense_wire} "
                     "dense stage (the lean schedule, --higgs-sync sharded)",
                     common + lean_schedule(args, sync="sharded"), "examples/pretrain_gpt.py"),
+        "onebit": ("higgs 1-bit Adam (--higgs-sync onebit)", common + onebit, "examples/pretrain_gpt.py"),
         "no-ef": (f"higgs top-k {args.density:g}, no error feedback", common + higgs + ["--no-higgs-error-feedback"],
                   "examples/pretrain_gpt.py"),
     }
@@ -167,7 +180,7 @@ def main() -> int:
     table = markdown_table(rows, ["iterations", "final validation loss", "loss vs dense", "wire bytes over the run",
                                   "wire bytes over the run vs dense", "wire bytes per step at the end", "tokens/s"],
                            baseline=configurations["dense"][0])
-    table = f"ef: `{' '.join(higgs)}`\n\nlean: `{' '.join(lean)}`\n\n{table}"
+    table = f"ef: `{' '.join(higgs)}`\n\nlean: `{' '.join(lean)}`\n\nonebit: `{' '.join(onebit)}`\n\n{table}"
     (out / "convergence.md").write_text(table + "\n")
     print(table)
     try:

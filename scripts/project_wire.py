@@ -14,7 +14,7 @@ The baseline is Megatron's own reduction of the same buckets at the same P: an f
 all-reduce, or a reduce-scatter with ``--use-distributed-optimizer``. PyTorch DDP's fp16 hook
 all-reduces half the bytes: 0.5x at every P.
 
-    python scripts/project_wire.py [--sizes 2,8,64,1024] [--train-iters 2400] [--distopt] [--forms sparse,agreed,sharded]
+    python scripts/project_wire.py [--sizes 2,8,64,1024] [--train-iters 2400] [--distopt] [--forms sparse,agreed,sharded,onebit]
                                    [-- <pretrain flags for the model>]
 
 Prints a markdown table: per schedule and P, the wire bytes over the run and of one
@@ -116,7 +116,8 @@ def main() -> int:
     parser.add_argument("--sizes", default="2,8,64,1024", help="comma-separated DP sizes")
     parser.add_argument("--train-iters", type=int, default=2400)
     parser.add_argument("--distopt", action="store_true", help="with --use-distributed-optimizer")
-    parser.add_argument("--forms", default="sparse,agreed,sharded", help="the lean schedule's forms to count")
+    parser.add_argument("--forms", default="sparse,agreed,sharded,onebit",
+                        help="the lean schedule's forms to count, and onebit (1-bit Adam's exchange, as derived)")
     parser.add_argument("extra", nargs="*", help="after --: pretrain flags for the model (default: the script's)")
     args = parser.parse_args()
     setup_logging()
@@ -125,8 +126,10 @@ def main() -> int:
               "--log-interval", str(args.train_iters), "--num-threads", "1", "--overlap-grad-reduce",
               *(["--use-distributed-optimizer"] if args.distopt else []), *args.extra]
     names = {"sparse": "lean, sparse (all-gather)", "agreed": "lean, agreed (all-to-all)",
-             "sharded": "lean, sharded (all-to-all, all-gather of the owners')"}
-    schedules = {names[form]: lean_flags(args.train_iters, sync=form) for form in args.forms.split(",")}
+             "sharded": "lean, sharded (all-to-all, all-gather of the owners')",
+             "onebit": "onebit: 1-bit Adam (int8 dense stage, then signs)"}
+    schedules = {names[form]: (["--use-higgs", "--higgs-sync", "onebit"] if form == "onebit"
+                               else lean_flags(args.train_iters, sync=form)) for form in args.forms.split(",")}
     rows: dict[str, dict[int, tuple[float, float]]] = {}
     for name, flags in schedules.items():
         rows[name] = {}
