@@ -69,7 +69,7 @@ Megatron's communication stream.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -265,6 +265,18 @@ def _slot_in_bucket(param: torch.nn.Parameter, grad_data: torch.Tensor) -> Param
     return ParamSlot(start, start + param.numel())
 
 
+def _replicated_across_tp(param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` is held whole, the same, by every rank of a tensor-parallel group of
+    several (layer norms, a row-parallel layer's bias): an expert's over the experts' group.
+    Megatron marks the parameters it shards ``tensor_model_parallel``."""
+    if getattr(param, "tensor_model_parallel", False):
+        return False
+    expert = not getattr(param, "allreduce", True)
+    size = (parallel_state.get_expert_tensor_parallel_world_size() if expert
+            else parallel_state.get_tensor_model_parallel_world_size())
+    return size > 1
+
+
 class HiggsBucketGroup(_ParamAndGradBucketGroup):
     """A Megatron bucket group whose grad sync goes through the compressed path."""
 
@@ -290,7 +302,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                                                      instances=nodes.instances)
         self.higgs_buckets = [
             plan_bucket(f"group{index}.bucket{idx}", bucket.grad_data.numel(), bucket.grad_data.dtype,
-                        [_slot_in_bucket(param, bucket.grad_data) for param in bucket.params_list], shared.config,
+                        [replace(_slot_in_bucket(param, bucket.grad_data), whole=_replicated_across_tp(param))
+                         for param in bucket.params_list], shared.config,
                         shape, bucket.grad_data.device, world=self._plan_world,
                         distributed_optimizer=self.ddp_config.use_distributed_optimizer)
             for idx, bucket in enumerate(self.buckets)]

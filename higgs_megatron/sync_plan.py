@@ -92,7 +92,7 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
     if "hierarchical" in forms and hierarchy:  # select within this rank's slice of the node-reduced bucket
         lo, hi = slice_range(numel, nodes.ranks_per_node, nodes.local_index)
         candidates["hierarchical"] = BucketPlan(
-            hi - lo, [ParamSlot(max(s.start, lo) - lo, min(s.end, hi) - lo) for s in slots
+            hi - lo, [ParamSlot(max(s.start, lo) - lo, min(s.end, hi) - lo, s.whole) for s in slots
                       if s.end > lo and s.start < hi], config.min_param_numel, device, config.payload)
         piece = (min(lo, numel), min(hi, numel))  # a tiny bucket's last slice may start past its end
     return BucketPaths(name=name, numel=numel, dtype=dtype, candidates=candidates, slice=piece,

@@ -105,7 +105,7 @@ class AgreedPlan:
         self.shard = -(-numel // world)
         self.pieces: list[Piece] = []
         block_starts: list[int] = []
-        for unit in sorted((s for s in slots if s.numel >= min_param_numel), key=lambda s: s.start):
+        for unit in sorted((s for s in slots if not s.sent_whole(min_param_numel)), key=lambda s: s.start):
             start = unit.start
             while start < unit.end:
                 owner = start // self.shard
@@ -129,7 +129,7 @@ class AgreedPlan:
         self._lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
         self._block_segments = torch.tensor(block_segments, dtype=torch.int64, device=device)
         self._block_starts = torch.tensor(block_starts, dtype=torch.int64, device=device)
-        always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
+        always = sorted((s.start, s.end) for s in slots if s.sent_whole(min_param_numel))
         self.always_positions = (torch.cat([torch.arange(s, e, dtype=torch.int64, device=device) for s, e in always])
                                  if always else torch.empty(0, dtype=torch.int64, device=device))
         self._offsets = torch.arange(block, dtype=torch.int64, device=device)

@@ -244,14 +244,22 @@ def make_selector(name: str, seed: int = 0) -> Selector:
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter's gradient sits in its bucket."""
+    """Where one parameter's gradient sits in its bucket; ``whole``: it is sent whole, whatever
+    its size (a parameter replicated across tensor-parallel ranks: its gradient is the same on
+    each, and a scale shared with a tensor-parallel shard's coordinates, which differ, would
+    round it differently on each, so its replicas would drift apart)."""
 
     start: int
     end: int
+    whole: bool = False
 
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+    def sent_whole(self, min_param_numel: int) -> bool:
+        """Whether it goes whole every step (small, or ``whole``) rather than compressed."""
+        return self.whole or self.numel < min_param_numel
 
 
 def k_of(numel: int, density: float) -> int:
@@ -267,9 +275,12 @@ class BucketPlan:
         self.numel = numel
         self.device = device
         self.payload = payload_format(payload) if isinstance(payload, str) else payload
-        always = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
-        self.units = sorted((s for s in slots if s.numel >= min_param_numel), key=lambda s: s.start)
+        always = sorted((s.start, s.end) for s in slots if s.sent_whole(min_param_numel))
+        self.units = sorted((s for s in slots if not s.sent_whole(min_param_numel)), key=lambda s: s.start)
         self.units_numel = sum(unit.numel for unit in self.units)
+        # A tensor-parallel replica must not share a scale with coordinates that differ across
+        # the tensor-parallel ranks: at density 1 it stays in the always section, not in the implicit run.
+        self.keeps_replicas_apart = any(s.whole for s in slots)
         self.always_positions = (
             torch.cat([torch.arange(s, e, dtype=torch.long, device=device) for s, e in always])
             if always else torch.empty(0, dtype=torch.long, device=device))
@@ -295,10 +306,10 @@ class BucketPlan:
         """The payload's sections at ``density`` (the last one is kept: a density ramp changes
         it every step). Where every coordinate of every unit is selected, a blocked format
         sends the whole bucket in order (the implicit encoding): the always-sent parameters
-        become slots too."""
+        become slots too, unless one of them is a tensor-parallel replica (``ParamSlot.whole``)."""
         if self._layout_density != density:
             k = self.k_selected(density)
-            every = self.payload.blocked and 0 < self.units_numel == k
+            every = self.payload.blocked and 0 < self.units_numel == k and not self.keeps_replicas_apart
             self._layout = SlotLayout(self.numel, self.always_positions, self.numel if every else k,
                                       position_encoding(self.payload.name, self.numel, k, every),
                                       scale_span(density))

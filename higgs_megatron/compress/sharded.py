@@ -57,8 +57,8 @@ class ShardedPlan:
         self.bounds = [(min(r * self.shard, numel), min((r + 1) * self.shard, numel)) for r in range(world)]
         # A parameter is sent whole or selected by its own size, not by its piece's: a large
         # one cut small at a shard bound is still selected (at 1,024 ranks most pieces are small).
-        large = [s for s in slots if s.numel >= min_param_numel]
-        small = sorted((s.start, s.end) for s in slots if s.numel < min_param_numel)
+        large = [s for s in slots if not s.sent_whole(min_param_numel)]
+        small = sorted((s.start, s.end) for s in slots if s.sent_whole(min_param_numel))
         self.pieces = [_pieces(large, lo, hi) for lo, hi in self.bounds]  # per shard, relative to its start
         # Shards one piece fills whole: selected together, as rows of the [world, shard] view.
         self.full_shards = [j for j, pieces in enumerate(self.pieces)
