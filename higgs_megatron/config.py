@@ -82,13 +82,13 @@ class HiggsConfig:
         "--higgs-payload", "wire format of the compressed payload: wide (int32 positions, the gradient's dtype), "
         "bf16 (positions as 16-bit block offsets or a bitmap, whichever is smaller; bf16 values), int8 (the same "
         "positions, int8 values with a scale per span of coordinates), int4 (as int8, 4-bit values), sign (every "
-        "coordinate as one bit with a scale per 2,048, through the agreed form at density 1) (default: int4)",
+        "coordinate as one bit with a scale per 256, through the agreed form at density 1) (default: int4)",
         derived=True, choices=PAYLOAD_CHOICES))
     """The compressed payload's wire format (``compress.payload``): 'wide' sends int32 positions
     and values in the gradient's dtype; 'bf16' positions as 16-bit offsets within 64Ki-coordinate
     blocks or as a bitmap (whichever is smaller; none at density 1) and bf16 values; 'int8' the
     same positions and int8 values with one scale per span of coordinates; 'int4' as 'int8' with
-    4-bit codes; 'sign' one bit a coordinate, a scale per 2,048 (the agreed form's rows only:
+    4-bit codes; 'sign' one bit a coordinate, a scale per 256 (the agreed form's rows only:
     every rank sends the same coordinates, so a sign needs no position). The rounding goes into
     the error-feedback residual."""
 
@@ -149,7 +149,7 @@ class HiggsConfig:
     loses less loss; the sharded form beyond; not 'agreed', which at the same density has lost
     more loss than both). 'onebit' is 1-bit Adam's exchange (``first_moment``): after the dense
     stage each rank sends its own view of Adam's first moment, every coordinate as a sign with a
-    scale per 2,048, through the agreed form at density 1, and the optimizer takes the sum as its
+    scale per 256, through the agreed form at density 1, and the optimizer takes the sum as its
     first moment, its second moment frozen (``compression_ratio`` 1, ``payload`` 'sign'; 'wide'
     sends the moments in full, the exchange's full-precision oracle). Under
     every mode a step whose form would put no fewer bytes on the link than dense goes dense."""

@@ -30,18 +30,20 @@ where it holds one or two, ``ceil(density x blocks)`` sends it whole, and the ru
 sends more than dense sends the bucket dense.
 
 Values go on the wire in the format of ``--higgs-payload`` (``wide``: the gradient's dtype;
-``bf16``; ``int8``/``int4`` with an fp32 scale per ``SPAN`` slots of a row; ``sign``: one bit a
-slot with an fp32 scale per ``SIGN_SPAN`` slots), with no positions: the positions are known to
-every rank. ``pack_rows`` rounds the values as the receiver will decode them, so the rounding
+``bf16``; ``int8``/``int4``/``sign`` with an fp32 scale per ``SPAN`` slots of a row, ``sign``
+one bit a slot), with no positions: the positions are known to every rank. ``pack_rows`` rounds the values as the receiver will decode them, so the rounding
 stays in the error-feedback residual.
 
 ``sign`` is 1-bit Adam's exchange (Tang et al., 2021) on these rows: each slot is sent as the sign
 of its value, and a span's scale is the mean magnitude of its real slots (the scale that makes
-``scale x sign`` closest to the values in L2). A sign cannot say zero, so the padding slots, which
+``scale x sign`` closest to the values in L2). A scale per 256 slots, not per 2,048 as the
+int8 dense step's: a sign carries no magnitude, so a span's one scale is every coordinate's, and
+at 2,048 the update of 1-bit Adam ended 4% above dense's loss at P = 64 where at 256 it ended
+below it (``docs/compression.md``). A sign cannot say zero, so the padding slots, which
 every rank knows (``select``'s ``real``), are masked on both sides: they carry no magnitude into a
 scale and decode to 0. At density 1 every coordinate goes, nothing is selected, and a plan that
-never selects (``scored=False``) sends no block scores: about 1/32 of an fp32 all-reduce's wire
-bytes per step at any P, the owner's re-signed sums included.
+never selects (``scored=False``) sends no block scores: about 1/28 of an fp32 all-reduce's wire
+bytes per step at any P (1.125 bits a coordinate each way), the owner's re-signed sums included.
 
 Scores (``scores``): per block, the sum of squares of what this rank expects to send next
 step, ``residual + gradient`` (the gradient stands in for the next one), summed over the ranks
@@ -61,8 +63,7 @@ import torch
 from .compressor import ParamSlot, k_of
 
 BLOCK = 128  # coordinates per block: what one agreed score stands for
-SPAN = 256  # int8/int4: slots of a row per fp32 scale
-SIGN_SPAN = 2048  # sign: slots of a row per fp32 scale (1/64 of a bit a slot)
+SPAN = 256  # int8/int4/sign: slots of a row per fp32 scale (sign: an eighth of a bit a slot)
 VALUE_FORMATS = ("wide", "bf16", "int8", "int4", "sign")
 _LEVELS = {"int8": 127, "int4": 7}
 _SCALED = ("int8", "int4", "sign")
@@ -144,8 +145,7 @@ class AgreedPlan:
                 per_owner[piece.owner] += piece.end - piece.start if k == piece.n_blocks else k * self.block
             multiple = 8 if self.value_format == "sign" else 2  # whole bytes per row: 8 signs, or 2 int4 codes
             width = -(-max(1, max(per_owner)) // multiple) * multiple
-            span = SIGN_SPAN if self.value_format == "sign" else SPAN
-            self._layouts[density] = AgreedLayout(k_blocks, width, min(span, width))
+            self._layouts[density] = AgreedLayout(k_blocks, width, min(SPAN, width))
         return self._layouts[density]
 
     def row_bytes(self, density: float, dtype: torch.dtype, value_format: str | None = None) -> int:

@@ -57,13 +57,13 @@ def test_signs_decode_to_what_pack_rounded_with_the_mean_magnitude_of_real_slots
     values = torch.randn(3, 4096, generator=generator)
     real = torch.rand(3, 4096, generator=generator) > 0.25
     values = torch.where(real, values, 0)
-    wire, rounded = pack_rows(values, "sign", 2048, real)
-    assert wire.shape == (3, 4 * 2 + 4096 // 8)
-    assert torch.equal(unpack_rows(wire, "sign", 4096, 2048, torch.float32, real), rounded)
+    wire, rounded = pack_rows(values, "sign", 256, real)
+    assert wire.shape == (3, 4 * 16 + 4096 // 8)
+    assert torch.equal(unpack_rows(wire, "sign", 4096, 256, torch.float32, real), rounded)
     assert bool((rounded[~real] == 0).all())
     for row in range(3):
-        for span in range(2):
-            cut = slice(span * 2048, (span + 1) * 2048)
+        for span in range(16):
+            cut = slice(span * 256, (span + 1) * 256)
             mask = real[row, cut]
             scale = values[row, cut][mask].abs().mean()
             torch.testing.assert_close(rounded[row, cut][mask], torch.where(values[row, cut][mask] >= 0, scale, -scale))
@@ -72,6 +72,6 @@ def test_signs_decode_to_what_pack_rounded_with_the_mean_magnitude_of_real_slots
 def test_a_sign_plan_sends_every_parameter_in_rows_of_whole_bytes_and_no_scores():
     plan = AgreedPlan(5003, SLOTS, 64, 4, CPU, "sign", scored=False)
     layout = plan.layout(1.0)
-    assert layout.width % 8 == 0 and layout.span == min(2048, layout.width)
+    assert layout.width % 8 == 0 and layout.span == min(256, layout.width)
     assert plan.score_bytes() == 0
     assert plan.row_bytes(1.0, torch.float32) == -(-(layout.width // 8 + 4 * layout.n_scales) // 4) * 4
