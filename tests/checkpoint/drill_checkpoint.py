@@ -20,6 +20,7 @@ COMMON = ["--make-vocab-size-divisible-by", "256", "--eval-iters", "0", "--lr-de
 
 
 HIGGS = ["--use-higgs", "--higgs-compression-ratio", "0.01", "--higgs-min-bucket-numel", "0", "--higgs-sync", "sparse"]
+ONEBIT = ["--use-higgs", "--higgs-sync", "onebit", "--higgs-dense-iters", "2", "--higgs-min-bucket-numel", "0"]
 
 
 def _global(outs, field):
@@ -44,6 +45,9 @@ def _global(outs, field):
                  id="dp2-distopt-higgs-frozen-variance"),
     pytest.param(4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"], HIGGS,
                  id="pp2xdp2-higgs"),
+    # saved after the freeze: Adam's first moment is the exchange's, the owners' residuals are per rank
+    pytest.param(2, [], ONEBIT, id="dp2-onebit"),
+    pytest.param(4, ["--tensor-model-parallel-size", "2", "--global-batch-size", "16"], ONEBIT, id="tp2xdp2-onebit"),
     # megatron-core's own fully_reshardable save pads the last stage's tied embedding with zeros
     # here and the resumed run differs; the owner-written state (state.owner_written_optimizer_state) does not.
     pytest.param(4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
@@ -123,6 +127,22 @@ def test_reshard_restores_global_model_and_moments(tmp_path, save_layout, load_l
         assert torch.equal(before[key], after[key]), key
     losses = [resumed[-1]["losses"][i] for i in sorted(resumed[-1]["losses"])]
     assert resumed[-1]["start"] == 3 and losses[-1] < losses[0] + 0.5
+
+
+def test_onebit_reshards_its_moments_and_starts_its_residuals_from_zero(tmp_path, tiny_gpt_args):
+    """DP=2 to DP=4: Adam's moments (the exchange's first moment among them) move as optimizer
+    state; the ranks' and owners' residuals, sized by the old layout, start from zero."""
+    base = tiny_gpt_args + COMMON + ONEBIT + ["--global-batch-size", "16"]
+    saved = run_ranks(run_trainer, 2, args=(base + ["--train-iters", "4", "--save", str(tmp_path)],))
+    argv = base + ["--train-iters", "8", "--load", str(tmp_path), "--recovery-mode", "reshard"]
+    resumed = run_ranks(run_trainer, 4, args=(argv,))
+    before, after = _global(saved, "final"), _global(resumed, "after_load")
+    moment_keys = [k for k in before if "exp_avg" in k]
+    assert moment_keys, sorted(before)[:10]
+    for key in [k for k in before if not k.startswith("optimizer.")] + moment_keys:
+        assert torch.equal(before[key], after[key]), key
+    losses = [resumed[-1]["losses"][i] for i in sorted(resumed[-1]["losses"])]
+    assert resumed[-1]["start"] == 4 and losses[-1] < losses[0] + 0.5
 
 
 @pytest.mark.parametrize("save_world,save_layout,load_world,load_layout", [

@@ -17,9 +17,11 @@ from tests.workers.host_sync import host_syncs_in_gradient_path
     ("topk", ["--higgs-sync", "agreed", "--higgs-payload", "int8", "--use-distributed-optimizer"]),
     ("sampled-topk", ["--higgs-sync", "sharded", "--higgs-payload", "int4", "--higgs-dense-iters", "1",
                       "--higgs-dense-int8", "--higgs-compression-ratio", "0.25"]),
-    ("topk", ["--higgs-sync", "sharded", "--higgs-payload", "int8", "--use-distributed-optimizer"])],
+    ("topk", ["--higgs-sync", "sharded", "--higgs-payload", "int8", "--use-distributed-optimizer"]),
+    ("topk", ["--higgs-sync", "onebit", "--higgs-payload", "sign", "--higgs-compression-ratio", "1.0",
+              "--higgs-dense-iters", "1"])],
     ids=["topk-wide", "sampled-topk-int8", "topk-bf16-dense-bf16", "sampled-topk-bitmap-dense-int8",
-         "agreed-int4-dense-int8", "agreed-int8-distopt", "sharded-int4-dense-int8", "sharded-int8-distopt"])
+         "agreed-int4-dense-int8", "agreed-int8-distopt", "sharded-int4-dense-int8", "sharded-int8-distopt", "onebit"])
 def test_a_compressed_dp2_step_makes_no_host_sync_in_the_gradient_path(compressor, payload, tiny_gpt_args):
     argv = tiny_gpt_args + ["--higgs-compression-ratio", "0.01", "--higgs-sync", "sparse"] + payload + [
         "--train-iters", "3", "--global-batch-size", "16", "--overlap-grad-reduce",
