@@ -23,6 +23,9 @@ How, with Megatron's loop and optimizer unchanged:
 * **Where ``m`` comes from** (``FirstMoments``): Adam's own ``exp_avg``, added per parameter into
   the bucket at each compressed step (one fused add on the device). The sync keeps no moment
   of its own, so checkpoints, reshards and heals carry it as the optimizer state it is.
+* **Sums after the sync**: Megatron sums some gradients again once the sync is done (the tied
+  embedding over two pipeline stages, layer norms over the TP ranks under sequence
+  parallelism); each copy then carries 1/copies of the moment (``copies_summed_after_sync``).
 
 Not with the distributed optimizer (a rank holds Adam's state of its shard only, and a rank's
 share needs the whole moment), elastic replicas, several optimizer instances, or optimizer
@@ -45,6 +48,7 @@ class MomentSlot:
     end: int
     optimizer: torch.optim.Optimizer  # the torch optimizer that steps it
     main_param: torch.Tensor  # the parameter that optimizer holds (a model param, or its fp32 main copy)
+    summed_by: int = 1  # the copies Megatron sums after the sync (``copies_summed_after_sync``)
 
 
 class FirstMoments:
@@ -55,18 +59,33 @@ class FirstMoments:
         self.slots, self.beta = slots, beta
 
     def to_local_momentum(self, key: tuple[int, int], grad: torch.Tensor, share: float) -> None:
-        """``grad = (1 - beta) grad + share x beta x exp_avg`` in place, for the bucket ``key``; a
-        parameter Adam has not stepped yet has no moment and adds nothing. No host sync: a
-        scale and one fused add over the parameters' views."""
+        """``grad = (1 - beta) grad + share x beta x exp_avg / copies`` in place, for the bucket
+        ``key``: a parameter whose copies Megatron sums after the sync takes its share of the
+        moment once over them all. A parameter Adam has not stepped yet has no moment and adds
+        nothing. No host sync: a scale and a fused add per number of copies."""
         grad.mul_(1 - self.beta)
-        views, moments = [], []
+        by_copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for slot in self.slots[key]:
             exp_avg = slot.optimizer.state.get(slot.main_param, {}).get("exp_avg")
             if exp_avg is not None:
+                views, moments = by_copies.setdefault(slot.summed_by, ([], []))
                 views.append(grad.narrow(0, slot.start, slot.end - slot.start))
                 moments.append(exp_avg.view(-1))
-        if views:
-            torch._foreach_add_(views, moments, alpha=share * self.beta)
+        for copies, (views, moments) in by_copies.items():
+            torch._foreach_add_(views, moments, alpha=share * self.beta / copies)
+
+
+def copies_summed_after_sync(param: torch.nn.Parameter, name: str, config, tp_size: int, embedding_size: int) -> int:
+    """How many copies of ``param``'s synced gradient Megatron's ``finalize_model_grads`` sums
+    after the data-parallel sync: the tied word embedding's over the first and last pipeline
+    stages (``shared_embedding``), a layer norm's over the tensor-parallel ranks under sequence
+    parallelism or ``qk_layernorm``. Each copy holds a share of the moment, so each must hold
+    1/copies of it. (Averaged copies, ``average_gradients_across_tp_domain``, need nothing.)"""
+    copies = embedding_size if getattr(param, "shared_embedding", False) else 1
+    if (getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False)) or (
+            getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)):
+        copies *= tp_size
+    return copies
 
 
 def main_params(megatron_optimizer, torch_optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, torch.Tensor]:

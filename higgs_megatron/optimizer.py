@@ -33,13 +33,14 @@ from typing import Callable
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 
 from .checkpoint.state import residual_objects, torch_optimizers
 from .ddp import HiggsDDP
 from .device import collective_device
-from .first_moment import FirstMoments, MomentSlot, adam_beta1, main_params
+from .first_moment import FirstMoments, MomentSlot, adam_beta1, copies_summed_after_sync, main_params
 from .frozen_variance import check_supported, freeze_variance
 from .grad_paths import DensitySchedule
 from .stability.alignment import StepDecision, Verdict
@@ -172,20 +173,25 @@ def _first_moments(optimizer: MegatronOptimizer, model_chunks: list[HiggsDDP]) -
     if len(betas) != 1:
         raise ValueError(f"--higgs-sync onebit needs one Adam beta1 across the optimizers, got {sorted(betas)}")
     beta = betas.pop()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    embedding_size = (torch.distributed.get_world_size(parallel_state.get_embedding_group())
+                      if parallel_state.get_pipeline_model_parallel_world_size() > 1 else 1)
     moments = []
     for chunk in model_chunks:
+        names = {p: n for n, p in chunk.named_parameters()}
         slots = {}
         for group in chunk.higgs_bucket_groups:
             for idx, bucket in enumerate(group.buckets):
                 entries = []
                 for param in bucket.params_list:
                     if param not in owners:
-                        name = next((n for n, p in chunk.named_parameters() if p is param), "?")
-                        raise ValueError(f"--higgs-sync onebit: parameter {name} is in a gradient bucket but no "
-                                         "optimizer steps it")
+                        raise ValueError(f"--higgs-sync onebit: parameter {names.get(param, '?')} is in a gradient "
+                                         "bucket but no optimizer steps it")
                     torch_optimizer, main_param = owners[param]
                     slot = chunk.param_slot(param, bucket.grad_data)
-                    entries.append(MomentSlot(slot.start, slot.end, torch_optimizer, main_param))
+                    copies = copies_summed_after_sync(param, names.get(param, ""), chunk.config, tp_size,
+                                                      embedding_size)
+                    entries.append(MomentSlot(slot.start, slot.end, torch_optimizer, main_param, copies))
                 slots[(group.higgs_index, idx)] = entries
         moments.append(FirstMoments(slots, beta))
     return moments

@@ -44,3 +44,46 @@ def test_signs_keep_replicas_equal_and_conserve(world_size, layout, tiny_gpt_arg
     argv = _argv(tiny_gpt_args, layout, 6) + ["--use-higgs", "--higgs-sync", "onebit", "--higgs-dense-iters", "2",
                                                "--higgs-min-bucket-numel", "0", "--higgs-min-param-numel", "256"]
     check_owner_sum_invariants(run_ranks(owner_sum_invariants, world_size, args=(argv,), timeout=400))
+
+
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
+       "64", "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "2", "--expert-tensor-parallel-size", "1",
+       "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.mark.parametrize("world_size,layout", [
+    pytest.param(4, ["--pipeline-model-parallel-size", "2"], id="pp2xdp2"),
+    pytest.param(4, MOE, id="moe-ep2-expert-dp2")])
+def test_pipeline_and_experts_take_their_groups_shares(world_size, layout, tiny_gpt_args):
+    """Each stage's buckets, and the experts' over their own (expert-data-parallel) group: at full
+    precision as frozen Adam on Megatron's DDP, in signs DP replicas (and the experts' replicas)
+    bitwise equal. The tied embedding is summed again over the pipeline's first and last stage
+    after the sync: without each copy's half share of the moment
+    (``first_moment.copies_summed_after_sync``) the pipeline's oracle fails."""
+    from tests.workers.moe import moe_variants, replicas_equal
+
+    base = _argv(tiny_gpt_args, layout, 5) + ["--use-higgs", "--higgs-dense-iters", "2"]
+    variants = {"megatron": base + ["--higgs-compressor", "none", "--higgs-freeze-adam-variance"],
+                "onebit-wide": base + ["--higgs-sync", "onebit", "--higgs-payload", "wide",
+                                       "--higgs-min-bucket-numel", "0"],
+                "onebit": base + ["--higgs-sync", "onebit", "--higgs-min-bucket-numel", "0",
+                                  "--higgs-min-param-numel", "256"]}
+    outs = run_ranks(train_variants_on_the_compressed_form, world_size, args=(variants,), timeout=600) \
+        if layout is not MOE else run_ranks(moe_variants, world_size, args=(variants,), timeout=600)
+    for out in outs:
+        reference = out["params"]["megatron"]
+        for name, value in out["params"]["onebit-wide"].items():
+            torch.testing.assert_close(value, reference[name], rtol=0, atol=3e-6,
+                                       msg=lambda m: f"onebit at full precision differs at {name}: {m}")
+    if layout is MOE:
+        experts = outs[0]["experts"]
+        dense = [name for name in outs[0]["params"]["onebit"] if name not in experts]
+        replicas_equal(outs, "onebit", dense, place=("tp", "pp"))
+        replicas_equal(outs, "onebit", experts, place=("etp", "ep", "pp"))
+        return
+    by_place = {}
+    for out in outs:
+        by_place.setdefault((out["coords"]["tp"], out["coords"]["pp"]), []).append(out["params"]["onebit"])
+    for place, replicas in by_place.items():
+        for name, value in replicas[0].items():
+            assert torch.equal(value, replicas[1][name]), f"DP replicas differ at {name} {place}"

@@ -51,3 +51,25 @@ def test_a_frozen_step_given_the_first_moment_takes_it_as_exp_avg():
     update = moment / (1 - 0.9 ** 2) / ((v / (1 - 0.95)).sqrt() + 1e-8)
     scale = max(1.0, float(update.norm()) / 8 ** 0.5)  # the frozen update's RMS cap
     torch.testing.assert_close(p.detach(), before - 1e-2 * update / scale)
+
+
+def test_copies_summed_after_the_sync_share_the_moment():
+    """Megatron sums the tied embedding's synced gradient over the pipeline's first and last
+    stage, and layer norms' over the TP ranks under sequence parallelism or qk_layernorm: each
+    copy must carry 1/copies of the moment."""
+    from types import SimpleNamespace
+
+    from higgs_megatron.first_moment import copies_summed_after_sync
+
+    plain = torch.nn.Parameter(torch.zeros(2))
+    tied = torch.nn.Parameter(torch.zeros(2))
+    tied.shared_embedding = True
+    norm = torch.nn.Parameter(torch.zeros(2))
+    norm.sequence_parallel = True
+    sp, no_sp = SimpleNamespace(sequence_parallel=True), SimpleNamespace(sequence_parallel=False)
+    assert copies_summed_after_sync(plain, "decoder.layers.0.mlp.linear_fc1.weight", sp, 4, 2) == 1
+    assert copies_summed_after_sync(tied, "embedding.word_embeddings.weight", no_sp, 4, 2) == 2
+    assert copies_summed_after_sync(norm, "decoder.layers.0.input_layernorm.weight", sp, 4, 2) == 4
+    assert copies_summed_after_sync(norm, "decoder.layers.0.input_layernorm.weight", no_sp, 4, 2) == 1
+    qk = SimpleNamespace(sequence_parallel=False, qk_layernorm=True)
+    assert copies_summed_after_sync(plain, "decoder.layers.0.self_attention.q_layernorm.weight", qk, 2, 1) == 2
