@@ -215,6 +215,7 @@ class _Shared:
     instances: int = 1  # Megatron's num_distributed_optimizer_instances
     comm: Collectives = field(default_factory=Collectives)  # every collective of the sync, counted
     replicas: ReplicaGroup | None = None  # elastic replicas: the sync runs across them, on torchft's group
+    first_moment_exchange: bool = False  # config.first_moment_exchange, read once (the hook enters no config code)
     first_moments: FirstMoments | None = None  # sync 'onebit': Adam's first moments (``set_first_moments``)
 
     def take_stats(self) -> "SyncStats":
@@ -435,7 +436,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         overlap = self.ddp_config.overlap_grad_reduce
         average = self.ddp_config.average_in_collective
         density, dense = shared.schedule.at(self.higgs_steps)
-        if shared.config.first_moment_exchange and not dense:
+        if shared.first_moment_exchange and not dense:
             self._to_local_momentum(domain.average_over if average else 1)
         dense = dense or force_all_reduce
         distributed_optimizer = self.ddp_config.use_distributed_optimizer
@@ -544,7 +545,7 @@ class HiggsDDP(DistributedDataParallel):
                 f"(num_distributed_optimizer_instances={instances} with num_moe_experts set)")
         self.higgs_config = higgs_config or HiggsConfig()
         self._higgs = _Shared(config=self.higgs_config, schedule=DensitySchedule.of(self.higgs_config),
-                              instances=instances)
+                              instances=instances, first_moment_exchange=self.higgs_config.first_moment_exchange)
         if replicas is not None:
             self._check_replicas(replicas)
             self._higgs.replicas, self._higgs.comm = replicas, ReplicaCollectives()

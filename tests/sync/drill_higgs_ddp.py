@@ -69,7 +69,9 @@ def test_sparse_sync_invariants(world_size, layout, min_param_numel, distopt, ti
 # selected one): 0.25 bytes a coordinate, 1/16 of fp32's.
 @pytest.mark.parametrize("payload,max_byte_ratio", [
     (["bf16"], 0.011), (["int8"], 0.0085), (["int4"], 0.0075),
-    pytest.param(["int4", "--higgs-compression-ratio", "0.25"], 0.066, id="int4-bitmap")])
+    # under TP, the position embedding (the same on both TP ranks) goes whole, and the bitmap,
+    # counted here over the other coordinates, still spans its 4,096: 0.070 in its bucket
+    pytest.param(["int4", "--higgs-compression-ratio", "0.25"], 0.071, id="int4-bitmap")])
 @pytest.mark.parametrize("world_size,layout,distopt", [
     (2, ["--global-batch-size", "16"], ["--use-distributed-optimizer"]),
     (4, ["--tensor-model-parallel-size", "2", "--global-batch-size", "16"], []),
