@@ -425,6 +425,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                              check_for_large=self.ddp_config.check_for_large_grads)
         shared, domain = self.higgs, self.higgs_domain
         kept = self._last_step_kept()  # the buffers settle as the paths add their residuals in
+        for owner in self.higgs_owner_residuals:  # settled here, whatever path the bucket takes this step
+            if owner is not None:
+                owner.settle(kept)
         self.higgs_steps = self.next_step(kept)  # a step counts once, however often its iteration synced
         self.higgs_pending = None
         force_all_reduce = bool(force_all_reduce)  # Megatron passes a bool or None (a host value)

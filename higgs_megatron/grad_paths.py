@@ -318,8 +318,6 @@ class AgreedForm:
                 residual.accumulate(grad, step.kept)
             step.check(grad)
             scores.settle(step.kept)
-            if owner is not None:
-                owner.settle(step.kept)
             positions, real = plan.select(scores.committed, density)
             values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
             rows, rounded = pack_rows(values, value_format, layout.span, real)
