@@ -215,7 +215,7 @@ class HiggsConfig:
         if self.variance_refresh_iters > self.dense_iters:
             raise ConfigError("variance_refresh_iters", f"variance_refresh_iters ({self.variance_refresh_iters}) must "
                               f"be at most dense_iters ({self.dense_iters}): each window ends before the next starts")
-        if self.freezes_variance and self.dense_iters == 0 and self.sync != "onebit":
+        if self.freezes_variance and self.dense_iters == 0:
             raise ConfigError("freeze_adam_variance", "freeze_adam_variance needs dense_iters > 0: the frozen second "
                               "moment is the one Adam learned in the dense stage")
 

@@ -257,7 +257,7 @@ class _GroupHandle:
         self.on_done()
 
 
-def _slot_in_bucket(param: torch.nn.Parameter, grad_data: torch.Tensor) -> ParamSlot:
+def slot_in_bucket(param: torch.nn.Parameter, grad_data: torch.Tensor) -> ParamSlot:
     """Where ``param.main_grad`` sits in its bucket. Not ``bucket.param_to_index``: that
     counts params end to end, while the buffer pads each param's start for the distributed
     optimizer; the view's storage offset is the truth."""
@@ -303,7 +303,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
                                                      instances=nodes.instances)
         self.higgs_buckets = [
             plan_bucket(f"group{index}.bucket{idx}", bucket.grad_data.numel(), bucket.grad_data.dtype,
-                        [replace(_slot_in_bucket(param, bucket.grad_data), whole=_replicated_across_tp(param))
+                        [replace(slot_in_bucket(param, bucket.grad_data), whole=_replicated_across_tp(param))
                          for param in bucket.params_list], shared.config,
                         shape, bucket.grad_data.device, world=self._plan_world,
                         distributed_optimizer=self.ddp_config.use_distributed_optimizer)
@@ -701,11 +701,6 @@ class HiggsDDP(DistributedDataParallel):
     def set_first_moments(self, moments: FirstMoments) -> None:
         """Where sync 'onebit' reads Adam's first moments (the optimizer wrapper's)."""
         self._higgs.first_moments = moments
-
-    @staticmethod
-    def param_slot(param: torch.nn.Parameter, grad_data: torch.Tensor) -> ParamSlot:
-        """Where ``param``'s gradient sits in the bucket ``grad_data``."""
-        return _slot_in_bucket(param, grad_data)
 
     def set_sync_timeout(self, seconds: float | None) -> None:
         """Give up on a step's sync when a wait for it takes longer than ``seconds`` (see

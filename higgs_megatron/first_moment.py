@@ -99,10 +99,10 @@ def main_params(megatron_optimizer, torch_optimizer: torch.optim.Optimizer) -> d
     return mapping
 
 
-def adam_beta1(torch_optimizer: torch.optim.Optimizer) -> float:
-    """The first-moment decay every parameter group of ``torch_optimizer`` shares (ValueError if
+def adam_beta1(torch_optimizers: list[torch.optim.Optimizer]) -> float:
+    """The first-moment decay every parameter group of every optimizer shares (ValueError if
     they differ: the ranks' shares of the moment are made with one)."""
-    betas = {group["betas"][0] for group in torch_optimizer.param_groups}
+    betas = {group["betas"][0] for optimizer in torch_optimizers for group in optimizer.param_groups}
     if len(betas) != 1:
         raise ValueError(f"--higgs-sync onebit needs one Adam beta1 for every parameter group, got {sorted(betas)}")
     return betas.pop()

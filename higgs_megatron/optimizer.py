@@ -38,7 +38,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 
 from .checkpoint.state import residual_objects, torch_optimizers
-from .ddp import HiggsDDP
+from .ddp import HiggsDDP, slot_in_bucket
 from .device import collective_device
 from .first_moment import FirstMoments, MomentSlot, adam_beta1, copies_summed_after_sync, main_params
 from .frozen_variance import check_supported, freeze_variance
@@ -165,14 +165,10 @@ def _first_moments(optimizer: MegatronOptimizer, model_chunks: list[HiggsDDP]) -
     """Each chunk's ``FirstMoments``: every bucket's parameters, with the torch optimizer that
     steps each and the parameter it holds (ValueError naming a parameter no optimizer steps)."""
     owners: dict[torch.Tensor, tuple[torch.optim.Optimizer, torch.Tensor]] = {}
-    betas = set()
     for megatron_optimizer, torch_optimizer in torch_optimizers(optimizer):
-        betas.add(adam_beta1(torch_optimizer))
         for model_param, main_param in main_params(megatron_optimizer, torch_optimizer).items():
             owners[model_param] = (torch_optimizer, main_param)
-    if len(betas) != 1:
-        raise ValueError(f"--higgs-sync onebit needs one Adam beta1 across the optimizers, got {sorted(betas)}")
-    beta = betas.pop()
+    beta = adam_beta1([torch_optimizer for _, torch_optimizer in torch_optimizers(optimizer)])
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     embedding_size = (torch.distributed.get_world_size(parallel_state.get_embedding_group())
                       if parallel_state.get_pipeline_model_parallel_world_size() > 1 else 1)
@@ -188,7 +184,7 @@ def _first_moments(optimizer: MegatronOptimizer, model_chunks: list[HiggsDDP]) -
                         raise ValueError(f"--higgs-sync onebit: parameter {names.get(param, '?')} is in a gradient "
                                          "bucket but no optimizer steps it")
                     torch_optimizer, main_param = owners[param]
-                    slot = chunk.param_slot(param, bucket.grad_data)
+                    slot = slot_in_bucket(param, bucket.grad_data)
                     copies = copies_summed_after_sync(param, names.get(param, ""), chunk.config, tp_size,
                                                       embedding_size)
                     entries.append(MomentSlot(slot.start, slot.end, torch_optimizer, main_param, copies))

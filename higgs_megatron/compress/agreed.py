@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from .compressor import ParamSlot, k_of
+from .payload import bit_weights
 
 BLOCK = 128  # coordinates per block: what one agreed score stands for
 SPAN = 256  # int8/int4/sign: slots of a row per fp32 scale (sign: an eighth of a bit a slot)
@@ -261,12 +262,6 @@ def unpack_rows(wire: torch.Tensor, value_format: str, width: int, span: int, dt
     return (codes.float() * per_slot).to(dtype).view(rows, width)
 
 
-def _bit_weights(device: torch.device) -> torch.Tensor:
-    """uint8 [8]: 1, 2, 4 ... 128 on ``device``, made there (no host tensor copied in the gradient path)."""
-    return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=device),
-                                    torch.arange(8, dtype=torch.uint8, device=device))
-
-
 def _pack_signs(values: torch.Tensor, span: int, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``pack_rows`` for ``sign``: per span, the mean magnitude of its real slots (1 where it has
     none, so that nothing divides by 0 on the way back); a bit per slot, set where the value is
@@ -281,14 +276,14 @@ def _pack_signs(values: torch.Tensor, span: int, real: torch.Tensor) -> tuple[to
     per_slot = scales.repeat_interleave(span, dim=1).narrow(1, 0, width)
     positive = values >= 0
     rounded = torch.where(real, torch.where(positive, per_slot, per_slot.neg()), 0).to(values.dtype)
-    bits = (positive.view(rows, width // 8, 8).to(torch.uint8) * _bit_weights(values.device)).sum(2, dtype=torch.uint8)
+    bits = (positive.view(rows, width // 8, 8).to(torch.uint8) * bit_weights(values.device)).sum(2, dtype=torch.uint8)
     return _pad4(torch.cat([scales.view(torch.uint8).view(rows, -1), bits], dim=1)), rounded
 
 
 def _from_bits(packed: torch.Tensor) -> torch.Tensor:
     """bool [rows, 8 x bytes] from ``_pack_signs``' bits."""
     rows = packed.shape[0]
-    return torch.bitwise_and(packed.unsqueeze(2), _bit_weights(packed.device)).ne(0).view(rows, -1)
+    return torch.bitwise_and(packed.unsqueeze(2), bit_weights(packed.device)).ne(0).view(rows, -1)
 
 
 def _pad4(rows: torch.Tensor) -> torch.Tensor:

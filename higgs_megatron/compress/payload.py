@@ -50,7 +50,7 @@ bitmap (only 16-bit offsets need them sorted), and the decoder does no binary se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -105,12 +105,17 @@ class SlotLayout:
         """int64 [k]: 0..k-1, what the offsets' decoder searches the block starts for."""
         return torch.arange(self.k, device=self.device, dtype=torch.int64)
 
-    @cached_property
+    @property
     def bit_weights(self) -> torch.Tensor:
-        """uint8 [8]: 1, 2, 4 ... 128, made on the device (no host data: a layout is made on the
-        first step at each density, inside the gradient path)."""
-        return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=self.device),
-                                        torch.arange(8, dtype=torch.uint8, device=self.device))
+        return bit_weights(self.device)
+
+
+@lru_cache(maxsize=None)
+def bit_weights(device: torch.device) -> torch.Tensor:
+    """uint8 [8]: 1, 2, 4 ... 128, the weights of a byte's bits (the first slot in the lowest),
+    made on the device once (no host data: the first use is inside the gradient path)."""
+    return torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=device),
+                                    torch.arange(8, dtype=torch.uint8, device=device))
 
 
 def scale_span(density: float) -> int:

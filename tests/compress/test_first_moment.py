@@ -21,7 +21,7 @@ def test_the_ranks_shares_sum_to_the_next_first_moment():
     optimizer.step()  # Adam now holds a first moment
     moment = torch.cat([optimizer.state[a]["exp_avg"], optimizer.state[b]["exp_avg"]])
     moments = FirstMoments({(0, 0): [MomentSlot(0, 5, optimizer, a), MomentSlot(6, 9, optimizer, b)]},
-                           adam_beta1(optimizer))
+                           adam_beta1([optimizer]))
     world, grads = 4, [torch.randn(10, generator=generator) for _ in range(4)]
     total = torch.zeros(10)
     for grad in grads:
