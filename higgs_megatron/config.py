@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from .compat.versions import ALLOW_FLAG
 from .compress.payload import PAYLOADS
+from .reduce.param_gather import PARAM_PAYLOADS
 from .field_flags import add_field_flags, field_flag, field_values
 from .field_flags import flag_metadata as _flag
 from .given_flags import flags_given
@@ -92,9 +93,19 @@ class HiggsConfig:
     every rank sends the same coordinates, so a sign needs no position). The rounding goes into
     the error-feedback residual."""
 
+    param_payload: str = field(default="dense", metadata=_flag(
+        "--higgs-param-payload", "with --use-distributed-optimizer: send the parameter all-gather as each shard's change "
+        "since the last step in int8, int4 or sign (a bit a parameter, a scale per 256), the rounding carried into the "
+        "next step's change (default: int4 with --higgs-sync onebit, else dense: Megatron's own)",
+        derived=True, choices=PARAM_PAYLOADS))
+    """With the distributed optimizer: the parameter all-gather sent as each owner's change of its
+    shard, in this format (``reduce.param_gather``); 'dense' keeps Megatron's. The main parameters
+    keep the exact values, and the model's trail them by one step's rounding at most."""
+
     variance_refresh_iters: int = field(default=0, metadata=_flag(
-        "--higgs-variance-refresh-iters", "with --higgs-freeze-adam-variance: sync dense and let Adam's second moment "
-        "move for N iterations from 2, 4, 8... times --higgs-dense-iters", type=int))
+        "--higgs-variance-refresh-iters", "with a frozen second moment: sync dense and let Adam's second moment "
+        "move for N iterations from 2, 4, 8... times --higgs-dense-iters (default: with --higgs-sync onebit, 20 or "
+        "a quarter of the dense stage, whichever is fewer; else 0)", derived=True, type=int))
     """With ``freeze_adam_variance``: windows of N dense iterations in which Adam's second moment
     is updated as usual, starting at 2, 4, 8... times ``dense_iters`` (0/1 Adam's refresh
     points, doubling). A second moment frozen early, at the end of the learning-rate warm-up,
@@ -129,7 +140,7 @@ class HiggsConfig:
     """Buckets smaller than this stay dense (Megatron's own collective)."""
 
     sync: str = field(default="auto", metadata=_flag(
-        "--higgs-sync", "auto: per bucket, the path (dense, sparse, sharded or hierarchical) a cost model of the measured links "
+        "--higgs-sync", "(default: onebit where the run allows it, else auto) auto: per bucket, the path (dense, sparse, sharded or hierarchical) a cost model of the measured links "
         "predicts fastest; sparse: "
         "each rank's own top-k, all-gathered (wire bytes per rank grow with the DP size); agreed: every rank sends the "
         "same blocks, chosen from block scores summed over the ranks, summed by an all-to-all (wire bytes per rank do "
@@ -137,7 +148,7 @@ class HiggsConfig:
         "the owners' top-k of their sums all-gathered (wire bytes per rank do not grow with the DP size); onebit: "
         "1-bit Adam, each rank's view of Adam's first moment, every coordinate as a sign, summed by the agreed "
         "exchange, after the dense stage, with Adam's second moment frozen",
-        choices=SYNC_MODES))
+        derived=True, choices=SYNC_MODES))
     """Per bucket: 'sparse' compresses, each rank its own top-k, all-gathered (``reduce.sparse_allreduce``:
     the bytes on each rank's link grow with the DP size); 'agreed' compresses, every rank the same
     blocks, summed by an all-to-all (``compress.agreed``: they do not); 'sharded' compresses, each
@@ -152,7 +163,8 @@ class HiggsConfig:
     scale per 256, through the agreed form at density 1, and the optimizer takes the sum as its
     first moment, its second moment frozen (``compression_ratio`` 1, ``payload`` 'sign'; 'wide'
     sends the moments in full, the exchange's full-precision oracle). Under
-    every mode a step whose form would put no fewer bytes on the link than dense goes dense."""
+    every mode a step whose form would put no fewer bytes on the link than dense goes dense.
+    ``--use-higgs`` takes 'onebit' where the run allows it, else 'auto' (``schedule.why_not_onebit``)."""
 
     sum_density_factor: float = field(default=1.0, metadata=_flag(
         "--higgs-sum-density-factor", "sharded form without the distributed optimizer: the shard's owner sends "
@@ -184,6 +196,9 @@ class HiggsConfig:
                               f"coordinates, so no positions): it needs sync 'agreed' or 'onebit', got sync {self.sync!r}")
         if self.sync == "onebit":
             self._check_onebit()
+        if self.param_payload not in PARAM_PAYLOADS:
+            raise ConfigError("param_payload", f"param_payload must be one of {', '.join(PARAM_PAYLOADS)}; got "
+                              f"{self.param_payload!r}")
         if self.sync not in SYNC_MODES:
             raise ConfigError("sync", f"sync must be one of {', '.join(SYNC_MODES)}; got {self.sync!r}")
         if not self.sum_density_factor >= 1.0 or math.isinf(self.sum_density_factor):
@@ -284,11 +299,14 @@ def flag_of(field_name: str) -> str:
     return field_flag(HiggsConfig, field_name)
 
 
-def higgs_config_from_args(args: argparse.Namespace, train_iters: int, lr_warmup_iters: int) -> HiggsConfig:
+def higgs_config_from_args(args: argparse.Namespace, train_iters: int, lr_warmup_iters: int,
+                           refused: str | None = None, fallback: str = "auto") -> HiggsConfig:
     """Build the config: the flags given, and for the schedule's flags not given the values the
-    run derives (``schedule.derived_schedule``, from its length and learning-rate warm-up); a
-    ValueError names the offending flag."""
+    run derives (``schedule.derived_schedule``, from its length and learning-rate warm-up;
+    ``refused``: why the run's other flags rule out 1-bit Adam's exchange, ``fallback`` the sync
+    then); a ValueError names the offending flag."""
     try:
-        return HiggsConfig(**derived_schedule(field_values(args, HiggsConfig), train_iters, lr_warmup_iters))
+        return HiggsConfig(**derived_schedule(field_values(args, HiggsConfig), train_iters, lr_warmup_iters,
+                                              refused, fallback))
     except ConfigError as error:
         raise ValueError(f"{flag_of(error.field)}: {error}") from None

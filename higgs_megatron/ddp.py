@@ -88,11 +88,13 @@ from .device import DeviceTimer, collective_device
 from .elastic.collectives import ReplicaCollectives, ReplicaGroup
 from .expert_bias import KeptExpertBias
 from .first_moment import FirstMoments
-from .grad_paths import DensitySchedule, StepLaunch
+from .grad_paths import AgreedForm, DensitySchedule, StepLaunch
 from .reduce.cast_reduce import PendingCastReduce
 from .reduce.link_probe import measure_link_costs
+from .reduce.param_gather import (ParamChanges, change_row_bytes, keep_agreed, own_shard, param_gather_wire,
+                                  start_param_changes)
 from .reduce.sparse_allreduce import PendingHierarchical, PendingSparseReduce, reduce_scatter
-from .reduce.wire import Collectives, StepWaits, dense_wire_bytes
+from .reduce.wire import Collectives, StepWaits, dense_wire_bytes, wire_bytes
 from .sync_plan import NodeShape, choose_form, plan_bucket
 from .topology import NodeGroups, build_node_groups, instance_groups
 
@@ -103,20 +105,25 @@ def dense_bytes_per_step(model: DistributedDataParallel) -> int:
                for group in model.bucket_groups + model.expert_parallel_bucket_groups for bucket in group.buckets)
 
 
-def megatron_dense_wire(group: _ParamAndGradBucketGroup, grad: torch.Tensor, world: int | None = None) -> float:
-    """Ring wire bytes per rank of Megatron's own reduction of ``grad``, a bucket of ``group``
-    (``reduce.wire.dense_wire_bytes`` over the group Megatron reduces it over, or over ``world``
-    ranks where given: elastic replicas, whose group is torchft's)."""
+def megatron_dense_wire(group: _ParamAndGradBucketGroup, bucket, world: int | None = None) -> float:
+    """Ring wire bytes per rank of Megatron's own data-parallel traffic for ``bucket``, one of
+    ``group``'s: its gradient's reduction (``reduce.wire.dense_wire_bytes``) and, with the
+    distributed optimizer, its parameters' all-gather, over the group Megatron runs them on, or
+    over ``world`` ranks where given (elastic replicas, whose group is torchft's)."""
     distopt = group.ddp_config.use_distributed_optimizer
     if world is None:
         world = group.intra_distributed_optimizer_instance_size if distopt else group.data_parallel_group.size()
-    return dense_wire_bytes(grad.numel() * grad.element_size(), world, distopt,
+    grad = bucket.grad_data
+    wire = dense_wire_bytes(grad.numel() * grad.element_size(), world, distopt,
                             group.ddp_config.num_distributed_optimizer_instances)
+    if distopt and bucket.param_data is not None:
+        wire += param_gather_wire(bucket.param_data.numel() * bucket.param_data.element_size(), world)
+    return wire
 
 
 def dense_wire_per_step(model: DistributedDataParallel) -> float:
-    """Ring wire bytes per rank of Megatron's dense reduction per step: every bucket."""
-    return sum(megatron_dense_wire(group, bucket.grad_data)
+    """Ring wire bytes per rank of Megatron's dense data-parallel traffic per step: every bucket."""
+    return sum(megatron_dense_wire(group, bucket)
                for group in model.bucket_groups + model.expert_parallel_bucket_groups for bucket in group.buckets)
 
 
@@ -311,8 +318,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_residuals: list[ResidualBuffer | None] = []
         # What Megatron's dense reduction of these buckets hands to collectives and puts on the wire, per step.
         self.higgs_dense_traffic = (sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buckets),
-                                    sum(megatron_dense_wire(self, b.grad_data, self._plan_world)
-                                        for b in self.buckets))
+                                    sum(megatron_dense_wire(self, b, self._plan_world) for b in self.buckets))
+        self.higgs_param_changes: ParamChanges | None = None  # the parameter all-gather as changes
 
     def _higgs_make_residuals(self) -> None:
         """Once the forms are final: a residual per compressed bucket, the size of its plan."""
@@ -323,12 +330,14 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         self.higgs_scores = [ScoreBuffer(paths.plan.n_blocks, bucket.grad_data.device)
                              if isinstance(paths.plan, AgreedPlan) else None
                              for paths, bucket in zip(self.higgs_buckets, self.buckets)]
-        # the agreed form's owners, where they round their sums for the all-gather (not with the distributed optimizer)
+        # the agreed form's owners, where they round their sums for the all-gather (with the distributed
+        # optimizer only 1-bit Adam's moments are gathered back)
+        gathers = not self.ddp_config.use_distributed_optimizer or self.higgs.first_moment_exchange
         self.higgs_owner_residuals = [
             ResidualBuffer(paths.plan.shard + 1, torch.float32, bucket.grad_data.device)  # + where padding writes
-            if isinstance(paths.plan, AgreedPlan) and self.higgs.config.error_feedback
-            and not self.ddp_config.use_distributed_optimizer else None
+            if isinstance(paths.plan, AgreedPlan) and self.higgs.config.error_feedback and gathers else None
             for paths, bucket in zip(self.higgs_buckets, self.buckets)]
+        self.higgs_held: list[int] = []  # sharded onebit: the buckets whose synced moment this step keeps
 
     @property
     def higgs_plans(self) -> list[BucketPlan | None]:
@@ -353,6 +362,8 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         for buffer in (*self.higgs_residuals, *self.higgs_owner_residuals, *self.higgs_scores):
             if buffer is not None:
                 buffer.rollback()
+        if self.higgs.first_moments is not None:
+            self.higgs.first_moments.release()  # a dropped step's sums (a NaN's among them) are no moment
         self.higgs_pending = None
 
     @property
@@ -410,6 +421,46 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         if hasattr(self, "grad_reduce_finished"):  # megatron-core 0.19's flag (its reset() clears it)
             self.grad_reduce_finished = True
 
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """The distributed optimizer's parameter all-gather, counted by the sync's meter:
+        Megatron's own, or each shard's change from what every rank holds
+        (``reduce.param_gather``) once the optimizer wrapper gave the main parameters a copy of
+        their own and the last gather told every rank's shard."""
+        changes, group = self.higgs_param_changes, self.intra_distributed_optimizer_instance_group
+        if not self.ddp_config.use_distributed_optimizer or (force_sync and self.param_gather_handle is not None):
+            super().start_param_sync(force_sync)  # megatron-core 0.19's layer-wise path; or the wait for one in flight
+            return
+        world, rank = self.intra_distributed_optimizer_instance_size, self.intra_distributed_optimizer_instance_rank
+        buffers = [bucket.param_data for bucket in self.buckets]
+        if changes is None or force_sync or not changes.ready:
+            for buffer in buffers:
+                self.higgs.comm.meter.count("all_gather", own_shard(buffer, world, rank).numel()
+                                            * buffer.element_size(), world)
+            if changes is not None:
+                keep_agreed(changes, buffers, world, rank)
+            super().start_param_sync(force_sync)
+            return
+        assert self.param_gather_handle is None
+        async_op = self.ddp_config.overlap_param_gather
+        with torch.no_grad():
+            handle = start_param_changes(self.higgs.comm, group, buffers, changes, async_op)
+        if async_op:
+            self.param_gather_handle = handle
+        else:
+            handle.wait()
+            self.param_gather_handle = None
+        self.param_gather_dispatched = True
+
+    def param_gather_wire(self) -> float:
+        """Ring wire bytes per rank of the next ``start_param_sync`` (what the meter will count)."""
+        if not self.ddp_config.use_distributed_optimizer:
+            return 0.0
+        world, changes = self.intra_distributed_optimizer_instance_size, self.higgs_param_changes
+        if changes is not None and changes.ready:
+            return sum(wire_bytes("all_gather", change_row_bytes(b.param_data.numel() // world, changes.payload), world)
+                       for b in self.buckets)
+        return sum(param_gather_wire(b.param_data.numel() * b.param_data.element_size(), world) for b in self.buckets)
+
     def start_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         with self._instance_stream(), torch.no_grad():  # it changes gradient buffers: nothing for autograd
             self._start_grad_sync(force_all_reduce)
@@ -439,7 +490,9 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         overlap = self.ddp_config.overlap_grad_reduce
         average = self.ddp_config.average_in_collective
         density, dense = shared.schedule.at(self.higgs_steps)
-        if shared.first_moment_exchange and not dense:
+        if shared.first_moment_exchange and dense and shared.first_moments is not None:
+            shared.first_moments.release()  # Adam's moment moves on its own in a dense step
+        elif shared.first_moment_exchange:
             self._to_local_momentum(domain.average_over if average else 1)
         dense = dense or force_all_reduce
         distributed_optimizer = self.ddp_config.use_distributed_optimizer
@@ -455,9 +508,12 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             nodes=domain.nodes, waits=shared.waits,
             shard=self.intra_distributed_optimizer_instance_rank if distributed_optimizer else None)
         launch.stats.dense_bytes, launch.stats.dense_wire_bytes = self.higgs_dense_traffic
+        self.higgs_held = []
         for idx, bucket in enumerate(self.buckets):
             path, step_density = self.higgs_buckets[idx].step_path(density, dense, launch.force_all_reduce,
                                                                     domain.costs)
+            if isinstance(path, AgreedForm) and path.gather_moment:
+                self.higgs_held.append(idx)
             try:
                 pending = path.launch(launch, idx, bucket.grad_data, step_density)
             except RuntimeError as error:
@@ -488,7 +544,7 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
         share = average_over / self._plan_world
         with self.higgs.compress_timer.measure(self.buckets[0].grad_data.device):
             for idx, bucket in enumerate(self.buckets):
-                moments.to_local_momentum((self.higgs_index, idx), bucket.grad_data, share)
+                moments.to_local_momentum((self.higgs_index, idx), bucket.grad_data, share, average_over)
 
     def _wait_for_graph_replays(self) -> None:
         """megatron-core 0.19 (``compat.buckets``): a local CUDA graph's replay writes its
@@ -500,6 +556,12 @@ class HiggsBucketGroup(_ParamAndGradBucketGroup):
             torch.cuda.current_stream().wait_event(event)
 
     def _on_sync_done(self) -> None:
+        moments = self.higgs.first_moments
+        if self.higgs_held and self.higgs.waits.abandoned:
+            moments.release()  # what a given-up sync left need not be the same on every rank
+        elif self.higgs_held:
+            for idx in self.higgs_held:  # the re-signed moment gathered back: the same bytes on every rank
+                moments.hold((self.higgs_index, idx), self.buckets[idx].grad_data)
         if self.higgs.trace is not None:
             self.higgs.trace.append(("finish", self.higgs_index))
 
@@ -583,6 +645,7 @@ class HiggsDDP(DistributedDataParallel):
         super().finish_grad_sync(force_all_reduce)
         if self._higgs_bias is not None and self._higgs.ledger is not None:
             self._higgs_bias.stage(self._higgs.ledger.taken)
+        self._reread_params()
 
     @property
     def higgs_bucket_groups(self) -> list[HiggsBucketGroup]:
@@ -698,6 +761,25 @@ class HiggsDDP(DistributedDataParallel):
         self._higgs.trace = [] if enabled else None
         return self._higgs.trace
 
+    def send_param_changes(self, payload: str) -> None:
+        """Send the distributed optimizer's parameter all-gather as changes in ``payload``
+        (``reduce.param_gather``): the optimizer wrapper's call, once the main parameters are
+        apart from the buffers."""
+        if not self.ddp_config.use_distributed_optimizer or payload == "dense":
+            return
+        for group in self.higgs_bucket_groups:
+            group.higgs_param_changes = ParamChanges(payload, [None] * len(group.buckets))
+
+    def _reread_params(self) -> None:
+        """As the sync finishes, before the optimizer's step overwrites this rank's shards: after
+        a load, the parameters every rank holds are read from the buffers as the reference of the
+        next changes (``reduce.param_gather``)."""
+        for group in self.higgs_bucket_groups:
+            if group.higgs_param_changes is not None:
+                group.higgs_param_changes.reread([bucket.param_data for bucket in group.buckets],
+                                                 group.intra_distributed_optimizer_instance_size,
+                                                 group.intra_distributed_optimizer_instance_rank)
+
     def set_first_moments(self, moments: FirstMoments) -> None:
         """Where sync 'onebit' reads Adam's first moments (the optimizer wrapper's)."""
         self._higgs.first_moments = moments
@@ -783,6 +865,9 @@ class HiggsDDP(DistributedDataParallel):
         state = {name: buffer.settled(kept[id(group)]).clone()
                  for name, (group, buffer) in {**self._residual_buffers(), **self._score_buffers()}.items()}
         state["steps"] = torch.tensor([g.next_step(kept[id(g)]) for g in self.higgs_bucket_groups], dtype=torch.long)
+        moments = self._higgs.first_moments
+        if moments is not None:  # sharded onebit: the moment the next shares are made from
+            state.update({f"group{g}.bucket{i}.moment": held.clone() for (g, i), held in moments.holding().items()})
         return state
 
     def load_residual_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -800,6 +885,17 @@ class HiggsDDP(DistributedDataParallel):
                 scores.load(state[name].to(scores.committed.device))
         for group, steps in zip(self.higgs_bucket_groups, state["steps"].tolist()):
             group.higgs_steps, group.higgs_pending = steps, None
+        moments = self._higgs.first_moments
+        if moments is not None:
+            moments.release()
+            for group in self.higgs_bucket_groups:
+                for idx, bucket in enumerate(group.buckets):
+                    held = state.get(f"group{group.higgs_index}.bucket{idx}.moment")
+                    if held is not None and held.numel() == bucket.grad_data.numel():
+                        moments.hold((group.higgs_index, idx), held.to(bucket.grad_data.device))
+        for group in self.higgs_bucket_groups:  # a load wrote the parameters (``_reread_params``)
+            if group.higgs_param_changes is not None:
+                group.higgs_param_changes.forget()
 
     def peer_residual_state(self) -> dict[str, torch.Tensor]:
         """What an elastic replica that heals from this rank takes of its error-feedback state:

@@ -288,12 +288,19 @@ class AgreedForm:
     dtype: torch.dtype
     world: int
     gather: bool  # the summed rows all-gathered back (not with the distributed optimizer)
+    gather_moment: bool = False  # sync 'onebit' with the distributed optimizer: its compressed steps' too
     name: ClassVar[str] = "agreed"
+
+    def gathers(self, payload: Payload | None) -> bool:
+        """Whether the owners' sums go back to every rank this step: without the distributed
+        optimizer always; with it only in 1-bit Adam's compressed steps, whose sums are the
+        first moment every rank's next share is made from (``first_moment``)."""
+        return self.gather or (self.gather_moment and payload is None)
 
     def wire_bytes(self, density: float = 1.0, payload: Payload | None = None) -> float:
         plan, world = self.plan, self.world
         row = plan.row_bytes(density, self.dtype, payload.name if payload is not None else None)
-        gather = ring_factor("all_gather", world) * row if self.gather else 0
+        gather = ring_factor("all_gather", world) * row if self.gathers(payload) else 0
         return (ring_factor("all_to_all", world) * world * row + gather
                 + ring_factor("all_reduce", world) * (plan.score_bytes() + plan.always_bytes(self.dtype)))
 
@@ -325,11 +332,12 @@ class AgreedForm:
             if residual is not None:
                 residual.stage(grad, SparseGrad(always, plan.always_positions, positions.view(-1), rounded.view(-1)))
             local_scores = plan.scores(self.expected(grad, residual)) if plan.scored else None
+        gather = self.gathers(payload)
         step.stats.bytes_sent += (rows.numel() + plan.score_bytes() + plan.always_bytes(grad.dtype)
-                                  + (rows.shape[1] if self.gather else 0))
+                                  + (rows.shape[1] if gather else 0))
         step.count(dense=payload is DENSE_INT8)
         return launch_agreed(step.comm, plan, density, value_format, positions, real, rows, always, local_scores,
-                             scores, residual, owner, grad, step.group, self.gather, async_op=step.async_op)
+                             scores, residual, owner, grad, step.group, gather, async_op=step.async_op)
 
 
 def owner_density(density: float, sum_density_factor: float, payload: Payload | None = None) -> float:
@@ -410,6 +418,7 @@ class BucketPaths:
     ranks_per_node: int = 1
     world: int = 1  # the ranks of the group its collectives run over (Megatron's DP group, or one instance)
     distributed_optimizer: bool = False  # its dense step is a reduce-scatter
+    gather_moment: bool = False  # sync 'onebit' with the distributed optimizer (``AgreedForm.gather_moment``)
     nodes: int = 1  # with a hierarchical form: the nodes (or optimizer instances) the slice is compressed across
     dense_bf16: bool = False  # config.dense_bf16, for a bucket with a residual, one instance, wider than bf16
     dense_int8: bool = False  # config.dense_int8, for a bucket with a residual and one instance
@@ -463,7 +472,7 @@ class BucketPaths:
             if form == "hierarchical":
                 return HierarchicalForm(plan, self.dtype, self.nodes)
             if form == "agreed":
-                return AgreedForm(plan, self.dtype, self.world, gather)
+                return AgreedForm(plan, self.dtype, self.world, gather, self.gather_moment)
             return ShardedForm(plan, self.dtype, self.world, gather, self.sum_density_factor)
         return self._made(form, make)
 

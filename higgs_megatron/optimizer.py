@@ -40,7 +40,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from .checkpoint.state import residual_objects, torch_optimizers
 from .ddp import HiggsDDP, slot_in_bucket
 from .device import collective_device
-from .first_moment import FirstMoments, MomentSlot, adam_beta1, copies_summed_after_sync, main_params
+from .first_moment import FirstMoments, MomentSlot, adam_beta1, copies_summed_after_sync, main_params, shard_pieces
 from .frozen_variance import check_supported, freeze_variance
 from .grad_paths import DensitySchedule
 from .stability.alignment import StepDecision, Verdict
@@ -66,6 +66,12 @@ class HiggsOptimizer(MegatronOptimizer):
             chunk.track_nonfinite(True)
         self._ledgers = [chunk.step_ledger() for chunk in self.model_chunks]
         config = self.model_chunks[0].higgs_config if self.model_chunks else None
+        if config is not None and config.param_payload != "dense" and any(
+                chunk.ddp_config.use_distributed_optimizer for chunk in self.model_chunks):
+            for megatron_optimizer, torch_optimizer in torch_optimizers(optimizer):
+                separate_fp32_main_params(megatron_optimizer, torch_optimizer)
+            for chunk in self.model_chunks:
+                chunk.send_param_changes(config.param_payload)
         if config is not None and config.freezes_variance:
             flag = "--higgs-sync onebit" if config.first_moment_exchange else "--higgs-freeze-adam-variance"
             inner = [torch_optimizer for _, torch_optimizer in torch_optimizers(optimizer)]
@@ -161,13 +167,37 @@ class HiggsOptimizer(MegatronOptimizer):
             chunk.load_residual_state(residuals.data if isinstance(residuals, ShardedObject) else residuals)
 
 
+def separate_fp32_main_params(megatron_optimizer, torch_optimizer: torch.optim.Optimizer) -> None:
+    """Megatron's distributed optimizer steps an fp32 parameter's shard in place, a view of the
+    parameter buffer; its all-gather sent as changes (``reduce.param_gather``) needs the exact
+    value apart from what the model holds. Each such view is replaced, in the optimizer's groups
+    and its own ``shard_fp32_groups``, by a copy: Megatron's step then copies it into the buffer
+    as it copies bf16 parameters' main copies (before any step, so no state moves)."""
+    for shard_group in getattr(megatron_optimizer, "shard_fp32_groups", []):
+        for index, view in enumerate(shard_group):
+            main = view.detach().clone().requires_grad_(view.requires_grad)
+            for name, value in vars(view).items():  # tensor-parallel attributes, ``shared``
+                setattr(main, name, value)
+            for group in torch_optimizer.param_groups:
+                group["params"] = [main if param is view else param for param in group["params"]]
+            if view in torch_optimizer.state:
+                torch_optimizer.state[main] = torch_optimizer.state.pop(view)
+            shard_group[index] = main
+
+
 def _first_moments(optimizer: MegatronOptimizer, model_chunks: list[HiggsDDP]) -> list[FirstMoments]:
-    """Each chunk's ``FirstMoments``: every bucket's parameters, with the torch optimizer that
-    steps each and the parameter it holds (ValueError naming a parameter no optimizer steps)."""
-    owners: dict[torch.Tensor, tuple[torch.optim.Optimizer, torch.Tensor]] = {}
+    """Each chunk's ``FirstMoments``: every bucket's parameters (with the distributed optimizer,
+    this rank's pieces of them), with the torch optimizer that steps each and the parameter it
+    holds (ValueError naming a parameter no optimizer steps)."""
+    sharded = any(chunk.ddp_config.use_distributed_optimizer for chunk in model_chunks)
+    owners: dict[torch.Tensor, tuple[torch.optim.Optimizer, torch.Tensor, int | None, int | None]] = {}
     for megatron_optimizer, torch_optimizer in torch_optimizers(optimizer):
-        for model_param, main_param in main_params(megatron_optimizer, torch_optimizer).items():
-            owners[model_param] = (torch_optimizer, main_param)
+        if sharded:
+            for model_param, (main_param, start, end) in shard_pieces(megatron_optimizer, torch_optimizer).items():
+                owners[model_param] = (torch_optimizer, main_param, start, end)
+        else:
+            for model_param, main_param in main_params(megatron_optimizer, torch_optimizer).items():
+                owners[model_param] = (torch_optimizer, main_param, None, None)
     beta = adam_beta1([torch_optimizer for _, torch_optimizer in torch_optimizers(optimizer)])
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     embedding_size = (torch.distributed.get_world_size(parallel_state.get_embedding_group())
@@ -181,15 +211,19 @@ def _first_moments(optimizer: MegatronOptimizer, model_chunks: list[HiggsDDP]) -
                 entries = []
                 for param in bucket.params_list:
                     if param not in owners:
+                        if sharded:
+                            continue  # no piece of it in this rank's shard
                         raise ValueError(f"--higgs-sync onebit: parameter {names.get(param, '?')} is in a gradient "
                                          "bucket but no optimizer steps it")
-                    torch_optimizer, main_param = owners[param]
-                    slot = slot_in_bucket(param, bucket.grad_data)
+                    torch_optimizer, main_param, start, end = owners[param]
+                    if start is None:
+                        slot = slot_in_bucket(param, bucket.grad_data)
+                        start, end = slot.start, slot.end
                     copies = copies_summed_after_sync(param, names.get(param, ""), chunk.config, tp_size,
                                                       embedding_size)
-                    entries.append(MomentSlot(slot.start, slot.end, torch_optimizer, main_param, copies))
+                    entries.append(MomentSlot(start, end, torch_optimizer, main_param, copies))
                 slots[(group.higgs_index, idx)] = entries
-        moments.append(FirstMoments(slots, beta))
+        moments.append(FirstMoments(slots, beta, sharded=sharded))
     return moments
 
 

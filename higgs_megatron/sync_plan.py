@@ -97,7 +97,8 @@ def plan_bucket(name: str, numel: int, dtype: torch.dtype, slots: list[ParamSlot
         piece = (min(lo, numel), min(hi, numel))  # a tiny bucket's last slice may start past its end
     return BucketPaths(name=name, numel=numel, dtype=dtype, candidates=candidates, slice=piece,
                        ranks_per_node=nodes.ranks_per_node if nodes is not None else 1, world=world,
-                       distributed_optimizer=distributed_optimizer, nodes=nodes.nodes if nodes is not None else 1,
+                       distributed_optimizer=distributed_optimizer,
+                       gather_moment=distributed_optimizer and config.first_moment_exchange, nodes=nodes.nodes if nodes is not None else 1,
                        dense_bf16=config.dense_bf16 and bool(candidates) and not instances and dtype.itemsize > 2,
                        dense_int8=config.dense_int8 and bool(candidates) and not instances,
                        sum_density_factor=config.sum_density_factor,

@@ -24,7 +24,14 @@ the whole run and per step at the end, and tokens/s. The runs (``--runs``, in th
   of Adam's first moment, every coordinate as a sign, summed by the agreed exchange, Adam's
   second moment frozen (``--onebit-refresh-iters`` refreshes it in dense windows at 2, 4, 8...
   times the dense stage);
+* ``default``: ``--use-higgs`` alone, the schedule it derives (1-bit Adam's exchange, its second
+  moment thawed in short dense windows; with ``--use-distributed-optimizer`` among the extra
+  flags, the parameter all-gather as int4 changes);
 * ``no-ef``: ``ef`` without error feedback.
+
+``--scale 2,8,v64`` makes the table by P instead (``scale_table``): Megatron's DDP, the bf16
+peer, the sharded top-k form and ``--use-higgs`` at each P, with and without the distributed
+optimizer, the P = 1,024 count and ``scale.png``.
 
 Writes ``convergence.md`` and ``convergence.png`` (the validation-loss curves, and each run's
 loss ratio against its wire bytes per rank over the run, at this run's DP size) into ``--out``. ``--also LOG=NAME`` adds the JSONL
@@ -48,6 +55,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from higgs_megatron_bench.runs import (REPO, finished, higgs_flags, lean_flags, markdown_table,  # noqa: E402
                                        run_pretrain, summarize, validation_curve)
 from higgs_megatron.compress.payload import PAYLOADS  # noqa: E402
@@ -56,7 +64,7 @@ from higgs_megatron.logs import get_logger, setup_logging  # noqa: E402
 log = get_logger("bench_convergence")
 
 
-RUNS = ("dense", "peer", "ef", "lean", "agreed", "sharded", "onebit", "no-ef")
+RUNS = ("dense", "peer", "ef", "lean", "agreed", "sharded", "onebit", "default", "no-ef")
 
 
 def runs_list(value: str) -> list[str]:
@@ -109,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="onebit: --higgs-dense-iters (default: the learning-rate warm-up)")
     parser.add_argument("--onebit-refresh-iters", type=int, default=0,
                         help="onebit: --higgs-variance-refresh-iters (default 0: the second moment stays frozen)")
+    parser.add_argument("--scale", default=None, metavar="P,P,vP",
+                        help="the table by P instead (see scale_table): data-parallel sizes, 'v' for the virtual group "
+                             "(e.g. 2,8,v64), each with and without the distributed optimizer")
     parser.add_argument("--out", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--runs", default="dense,peer,ef,lean", type=runs_list,
                         help=f"comma-separated, from {', '.join(RUNS)} (dense is needed: the ratios are to it)")
@@ -122,6 +133,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def written_with_pyplot(path: Path, table: str):
+    """Write and print ``table``; then matplotlib's pyplot for the PNG, or None (saying so)
+    where matplotlib is not installed."""
+    path.write_text(table + "\n")
+    print(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install 'higgs-megatron[bench]')")
+        return None
+    return plt
+
+
 def main() -> int:
     parser = build_parser()
     args = parser.parse_args()
@@ -129,6 +156,8 @@ def main() -> int:
         parser.error("--lean-refresh-iters refreshes a frozen second moment: it needs --lean-freeze-variance")
     setup_logging()
     out = Path(args.out)
+    if args.scale:
+        return scale_table(args, out)
     common = ["--train-iters", str(args.train_iters), "--log-interval", "10",
               "--eval-interval", str(max(1, args.train_iters // 12)), "--eval-iters", "10",
               "--overlap-grad-reduce", "--ddp-bucket-size", "250000", *args.extra]
@@ -153,6 +182,7 @@ def main() -> int:
                     "dense stage (the lean schedule, --higgs-sync sharded)",
                     common + lean_schedule(args, sync="sharded"), "examples/pretrain_gpt.py"),
         "onebit": ("higgs 1-bit Adam (--higgs-sync onebit)", common + onebit, "examples/pretrain_gpt.py"),
+        "default": ("--use-higgs (as derived: 1-bit Adam)", common + ["--use-higgs"], "examples/pretrain_gpt.py"),
         "no-ef": (f"higgs top-k {args.density:g}, no error feedback", common + higgs + ["--no-higgs-error-feedback"],
                   "examples/pretrain_gpt.py"),
     }
@@ -181,15 +211,8 @@ def main() -> int:
                                   "wire bytes over the run vs dense", "wire bytes per step at the end", "tokens/s"],
                            baseline=configurations["dense"][0])
     table = f"ef: `{' '.join(higgs)}`\n\nlean: `{' '.join(lean)}`\n\nonebit: `{' '.join(onebit)}`\n\n{table}"
-    (out / "convergence.md").write_text(table + "\n")
-    print(table)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (pip install 'higgs-megatron[bench]')")
+    plt = written_with_pyplot(out / "convergence.md", table)
+    if plt is None:
         return 0
     fig, (ax, trade) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, curve in curves.items():
@@ -214,6 +237,96 @@ def main() -> int:
     fig.tight_layout()
     fig.savefig(out / "convergence.png", dpi=120)
     print(f"wrote {out / 'convergence.md'} and {out / 'convergence.png'}")
+    return 0
+
+
+SCALE_RUNS = {  # run -> (row name, its flags): the baseline, the peer a user would pick, the old and the new default
+    "dense": ("Megatron's DDP (dense, fp32)", []),
+    "peer": ("torch DDP + bf16 hook", ["--comm-hook", "bf16"]),
+    "sharded": ("sharded top-k (the lean schedule, --higgs-sync sharded)", None),
+    "default": ("--use-higgs (1-bit Adam, as derived)", ["--use-higgs"]),
+}
+
+
+def scale_table(args: argparse.Namespace, out: Path) -> int:
+    """One table over the data-parallel sizes of ``--scale`` (real ranks, or 'vP': P virtual
+    ranks in one process), each without and with ``--use-distributed-optimizer``: Megatron's
+    dense DDP, the bf16 peer (torch DDP: real ranks, no distributed optimizer), the sharded top-k
+    form and what ``--use-higgs`` derives, each row against the dense run of its own P and layout:
+    final validation loss, wire bytes per rank over the run (every data-parallel collective,
+    the parameter all-gather included) and per step at the end. Then the default's wire over the
+    same run counted at P = 1,024 on the fake group, and ``scale.png``: loss ratio against wire
+    ratio, per P. Each run's samples per rank are ``--micro-batch-size``; give the model in the
+    extra flags, without ``--global-batch-size``."""
+    from project_wire import projected_ratio
+
+    micro = int(args.extra[args.extra.index("--micro-batch-size") + 1]) if "--micro-batch-size" in args.extra else 4
+    common = ["--train-iters", str(args.train_iters), "--log-interval", "10", "--eval-iters", "10",
+              "--eval-interval", str(max(1, args.train_iters // 12)), "--overlap-grad-reduce", *args.extra]
+    rows, points = [], []
+    for spec in args.scale.split(","):
+        virtual = spec.startswith("v")
+        size = int(spec.lstrip("v"))
+        for layout in ("", "distopt"):
+            layout_flags = ["--use-distributed-optimizer"] if layout else []
+            results = {}
+            for run, (name, flags) in SCALE_RUNS.items():
+                if run == "peer" and (virtual or layout):
+                    continue  # torch DDP: real ranks, and no distributed optimizer
+                flags = lean_schedule(args, sync="sharded") if flags is None else flags
+                if virtual and run == "dense":
+                    flags = ["--use-higgs", "--higgs-compressor", "none"]  # Megatron's reduction, in the harness
+                run_flags = (common + ["--global-batch-size", str(micro * size)] + layout_flags + flags
+                             + (["--higgs-min-bucket-numel", "0"] if virtual and run != "dense" else []))
+                log_json = out / f"p{spec}{'-' + layout if layout else ''}" / f"{run}.jsonl"
+                if not (args.keep and finished(log_json, args.train_iters)) and not args.reuse:
+                    run_pretrain(run_flags, log_json, size, quiet=True, virtual_dp=size if virtual else None,
+                                 script="scripts/peer_torch_ddp.py" if run == "peer" else "examples/pretrain_gpt.py")
+                results[run] = summarize(log_json)
+            dense = results["dense"]
+            for run, result in results.items():
+                loss = result["final validation loss"] / dense["final validation loss"]
+                wire = result["wire bytes over the run"] / dense["wire bytes over the run"]
+                rows.append(f"| {spec} | {layout or 'DDP'} | {SCALE_RUNS[run][0]} | {result['final validation loss']:.4f} "
+                            f"| {loss:.3f}x | {result['wire bytes over the run'] / 1e9:.3f} GB | {wire:.4f}x "
+                            f"| {result['wire bytes per step at the end'] / 1e3:,.1f} kB |")
+                points.append((spec, layout, run, wire, loss))
+    counted = []
+    for layout in ("", "distopt"):
+        flags = (common + ["--use-higgs"] + (["--use-distributed-optimizer"] if layout else []))
+        counted.append(f"{projected_ratio(1024, flags):.4f}x {'with' if layout else 'without'} the distributed "
+                       "optimizer")
+    table = "\n".join([
+        f"Each row against Megatron's dense run at its own P and layout, {args.train_iters:,} iterations, "
+        f"{micro} samples a rank; wire bytes per rank over the run, every data-parallel collective (the "
+        "distributed optimizer's parameter all-gather included).", "",
+        "| P | layout | run | final validation loss | loss vs dense | wire over the run | wire vs dense "
+        "| wire a step at the end |", "|---|---|---|---|---|---|---|---|", *rows, "",
+        f"--use-higgs at P = 1,024 (counted on the fake group, the same run): {'; '.join(counted)}."])
+    out.mkdir(parents=True, exist_ok=True)
+    plt = written_with_pyplot(out / "scale.md", table)
+    if plt is None:
+        return 0
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    markers = {"dense": "s", "peer": "D", "sharded": "^", "default": "o"}
+    for spec in dict.fromkeys(point[0] for point in points):
+        color = None
+        for _, layout, run, wire, loss in (point for point in points if point[0] == spec):
+            line = ax.scatter(wire, loss, marker=markers[run], color=color, facecolors="none" if layout else None,
+                              label=f"P={spec}" if color is None else None)
+            color = line.get_edgecolor()[0] if color is None else color
+    ax.axvline(1 / 16, color="grey", linestyle="--", linewidth=0.8)
+    ax.axhline(1.02, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("wire bytes per rank over the run vs dense (log)")
+    ax.set_ylabel("final validation loss vs dense")
+    ax.set_title("per P: square dense, diamond bf16 peer, triangle sharded top-k, circle --use-higgs; "
+                 "hollow: distributed optimizer", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "scale.png", dpi=120)
+    print(f"wrote {out / 'scale.md'} and {out / 'scale.png'}")
     return 0
 
 

@@ -13,6 +13,13 @@ as many ranks as there are GPUs (two CPU ranks without CUDA), and reports one ro
   bf16 (a tiny one on CPU): the loss falls, bytes sent against dense, compression time as a
   share of the step, for the exact and the sampled selector;
 * ``compressor-throughput``: exact against sampled top-k at 100M elements (4M on CPU);
+* ``onebit``: what ``--use-higgs`` derives (1-bit Adam's exchange) on a model of about 100M
+  parameters in bf16 (the tiny one on CPU), with and without the distributed optimizer, every
+  call of the gradient and parameter sync run under ``torch.cuda.set_sync_debug_mode("error")``
+  (a host sync there fails the stage): the loss falls, DP replicas equal, wire bytes against
+  dense; and the codec of one bucket of 100M elements (4M on CPU) for 8 ranks (each rank's
+  share of the moment, its sign rows, the owner's sum of 8 rows re-signed, 8 rows decoded)
+  timed as a share of that model's step;
 * ``async-save-resume``: an asynchronous save, then a run resumed from it, bitwise equal to
   the uninterrupted run; the loop's stall as a share of a synchronous save;
 * ``offload``: optimizer state leaves above the threshold and returns (on CUDA the caching
@@ -56,6 +63,10 @@ CUDA = torch.cuda.is_available()
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--log-interval", "1000",
          "--eval-interval", "1000", "--eval-iters", "0", "--num-threads", "1"]
+# About 100M parameters: 12 x 12 x 768^2 in the layers, and the embedding.
+MID = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "1024",
+       "--max-position-embeddings", "1024", "--micro-batch-size", "4", "--lr", "1e-4", "--min-lr", "1e-5",
+       "--bf16", "--eval-iters", "0", "--eval-interval", "1000"]
 # About 1B parameters: 12 x layers x hidden^2 = 12 x 20 x 2048^2.
 LARGE = ["--num-layers", "20", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "1024",
          "--max-position-embeddings", "1024", "--micro-batch-size", "2", "--lr", "1e-4", "--min-lr", "1e-5",
@@ -108,6 +119,29 @@ def train_variants(variants: dict[str, list[str]], ballast: dict | None = None) 
             if args.log_json and trainer.log.is_writer:
                 out["records"][name] = [json.loads(line) for line in Path(args.log_json).read_text().splitlines()]
     return out
+
+
+def train_variants_without_host_syncs(variants: dict[str, list[str]]) -> dict:
+    """``train_variants`` with every call of the gradient sync (start and finish) and of the
+    parameter all-gather run under ``torch.cuda.set_sync_debug_mode("error")``: a host sync
+    there raises. On CPU there is nothing to sync with, and it trains as it is."""
+    from higgs_megatron.ddp import HiggsBucketGroup
+
+    if CUDA:
+        for name in ("start_grad_sync", "finish_grad_sync", "start_param_sync"):
+            setattr(HiggsBucketGroup, name, _erroring_on_host_sync(getattr(HiggsBucketGroup, name)))
+    return train_variants(variants)
+
+
+def _erroring_on_host_sync(method):
+    def checked(self, *args, **kwargs):
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return checked
 
 
 def _with_ballast(trainer, during: tuple[int, int], nbytes: int) -> list:
@@ -257,6 +291,73 @@ def stage_compressor_throughput(out_dir: Path) -> Row:
                 "speedup": speedup, "shortfall": shortfall})
 
 
+def _onebit_codec_seconds(n: int, world: int, device: torch.device) -> float:
+    """One rank's codec for one bucket of ``n`` elements in a group of ``world``: its share of
+    the moment (a fused add), its sign rows, then as the owner of one shard the sum of the
+    ``world`` rows it receives re-signed, and the ``world`` gathered rows decoded into the bucket."""
+    from higgs_megatron.compress.agreed import AgreedPlan, pack_rows, unpack_rows
+    from higgs_megatron.compress.compressor import ParamSlot
+
+    per = n // 8
+    plan = AgreedPlan(n, [ParamSlot(i * per, (i + 1) * per) for i in range(8)], min_param_numel=0, world=world,
+                      device=device, value_format="sign", scored=False)
+    layout = plan.layout(1.0)
+    generator = torch.Generator(device=device).manual_seed(0)
+    grad, moment = (torch.randn(n, generator=generator, device=device) for _ in range(2))
+    positions, real = plan.select(torch.zeros(plan.n_blocks, device=device), 1.0)
+
+    def codec() -> None:
+        share = grad.mul(0.1).add_(moment, alpha=0.9 / world)
+        values = torch.where(real, share.index_select(0, positions.view(-1)).view(positions.shape), 0)
+        rows, _ = pack_rows(values, "sign", layout.span, real)
+        mine = real.narrow(0, 0, 1).expand(world, layout.width)
+        summed = unpack_rows(rows, "sign", layout.width, layout.span, torch.float32, mine).sum(0, keepdim=True)
+        wire, _ = pack_rows(summed, "sign", layout.span, real.narrow(0, 0, 1))
+        decoded = unpack_rows(wire.expand(world, -1), "sign", layout.width, layout.span, torch.float32, real)
+        grad.zero_().index_add_(0, positions.view(-1), decoded.view(-1))
+
+    codec()  # warm-up
+    if CUDA:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(5):
+        codec()
+    if CUDA:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / 5
+
+
+def stage_onebit(out_dir: Path) -> Row:
+    iters, world = 20, _world()  # a dense stage of 10 (the least --use-higgs derives 1-bit Adam for), then signs
+    base = (MID if CUDA else SMALL) + ["--train-iters", str(iters), "--global-batch-size", str(8 * world),
+                                       "--log-interval", "5", "--overlap-grad-reduce",
+                                       "--lr-warmup-iters", "10", "--use-higgs", "--higgs-min-bucket-numel", "0"]
+    variants = {name: base + extra + ["--log-json", str(out_dir / f"onebit{name[6:]}.jsonl")]
+                for name, extra in (("onebit", []), ("onebit-distopt", ["--use-distributed-optimizer"]))}
+    outs = run_ranks(train_variants_without_host_syncs, world, args=(variants,), timeout=550)
+    figures, ok, values = [], True, {}
+    for name in variants:
+        losses = _last_stage_losses(outs, name)
+        last = _records(outs, name, "iteration")[-1]
+        replicas = all(torch.equal(value, out["params"][name][key]) for out in outs[1:]
+                       for key, value in outs[0]["params"][name].items())
+        falls = len(losses) >= 4 and sum(losses[-2:]) < sum(losses[:2])
+        wire = last["wire_bytes"] / last["dense_wire_bytes"]
+        ok = ok and falls and replicas and wire < 0.2
+        figures.append(f"{name}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, replicas "
+                       f"{'equal' if replicas else 'DIFFER'}, wire {wire:.4f}x of dense a step")
+        values[name] = {"losses": losses, "replicas_equal": replicas, "wire_ratio": wire,
+                        "step_ms": last["elapsed_time_per_iteration_ms"]}
+    n = 100_000_000 if CUDA else 4_000_000
+    codec = _onebit_codec_seconds(n, 8, torch.device("cuda" if CUDA else "cpu"))
+    step_ms = values["onebit"]["step_ms"]
+    values["codec"] = {"elements": n, "ms": codec * 1e3, "share_of_step": codec * 1e3 / step_ms}
+    figures.append(f"codec at {n / 1e6:.0f}M elements for 8 ranks {codec * 1e3:.1f} ms, {codec * 1e3 / step_ms:.1%} "
+                   f"of the model's {step_ms:.0f} ms step{'' if CUDA else ' (CPU: a tiny model, not comparable)'}; "
+                   f"no host sync in the sync path{'' if CUDA else ' (not checked without CUDA)'}")
+    return Row("onebit", "PASS" if ok else "FAIL", "; ".join(figures), values)
+
+
 def stage_async_save_resume(out_dir: Path) -> Row:
     work = Path(tempfile.mkdtemp(prefix="gpu-check-ckpt-"))
     try:
@@ -392,7 +493,8 @@ def stage_transformer_engine(out_dir: Path) -> Row:
 
 STAGES = {"ddp-oracle": stage_ddp_oracle, "optimizer-instances": stage_optimizer_instances,
           "one-percent": stage_one_percent,
-          "compressor-throughput": stage_compressor_throughput, "async-save-resume": stage_async_save_resume,
+          "compressor-throughput": stage_compressor_throughput, "onebit": stage_onebit,
+          "async-save-resume": stage_async_save_resume,
           "offload": stage_offload, "megatron-lm": stage_megatron_lm, "transformer-engine": stage_transformer_engine}
 
 

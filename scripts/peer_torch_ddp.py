@@ -1,9 +1,9 @@
-"""The peer a user would pick instead of --use-higgs: PyTorch DDP, optionally with its fp16
-gradient-compression hook, on the same megatron-core GPT, data and per-rank batch.
+"""The peer a user would pick instead of --use-higgs: PyTorch DDP, optionally with its fp16 or
+bf16 gradient-compression hook, on the same megatron-core GPT, data and per-rank batch.
 
 Takes the pretrain script's flags (same model, corpus, batch, learning-rate schedule, log
 format: ``--log-json`` records read by ``higgs_megatron_bench.runs``), plus ``--comm-hook
-{none,fp16}``. The optimizer is ``torch.optim.AdamW`` with the same hyper-parameters and
+{none,fp16,bf16}``. The optimizer is ``torch.optim.AdamW`` with the same hyper-parameters and
 gradient clipping under Megatron's schedule. Data parallel only (TP = PP = 1).
 
     torchrun --nproc_per_node 2 scripts/peer_torch_ddp.py --comm-hook fp16 --train-iters 50
@@ -32,6 +32,9 @@ from higgs_megatron.training.model import build_model, build_scheduler, transfor
 from higgs_megatron.training.parallel import set_seeds  # noqa: E402
 
 
+HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+
+
 def torch_ddp(hook: str):
     """A ``build_model`` wrapper class: the GPT module under torch's DDP on the DP group."""
     from megatron.core import parallel_state
@@ -40,8 +43,8 @@ def torch_ddp(hook: str):
         bucket_mb = (ddp_config.bucket_size or 25_000_000 // 4) * 4 / 2**20
         model = torch.nn.parallel.DistributedDataParallel(
             module, process_group=parallel_state.get_data_parallel_group(), bucket_cap_mb=bucket_mb)
-        if hook == "fp16":
-            model.register_comm_hook(parallel_state.get_data_parallel_group(), default_hooks.fp16_compress_hook)
+        if hook in HOOKS:
+            model.register_comm_hook(parallel_state.get_data_parallel_group(), HOOKS[hook])
         return model
 
     return wrap
@@ -59,7 +62,7 @@ def mean_loss(model, batches) -> torch.Tensor:
 
 def main() -> int:
     peer = argparse.ArgumentParser(add_help=False)
-    peer.add_argument("--comm-hook", choices=("none", "fp16"), default="fp16")
+    peer.add_argument("--comm-hook", choices=("none", *HOOKS), default="fp16")
     known, rest = peer.parse_known_args()
     args = parse_args(rest)
     if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
@@ -81,8 +84,8 @@ def main() -> int:
                                       eps=args.adam_eps, weight_decay=args.weight_decay)
         scheduler = build_scheduler(args, optimizer)
         grad_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        sent_bytes = grad_bytes * (2 if known.comm_hook == "fp16" else 4)
-        log.event("setup_done", f"peer: torch DDP{' + fp16 hook' if known.comm_hook == 'fp16' else ''}, "
+        sent_bytes = grad_bytes * (2 if known.comm_hook in HOOKS else 4)
+        log.event("setup_done", f"peer: torch DDP{f' + {known.comm_hook} hook' if known.comm_hook in HOOKS else ''}, "
                   f"{grad_bytes:,} parameters, DP {dp_size}", parameters=grad_bytes)
         consumed, tokens_per_step = 0, args.global_batch_size * args.seq_length
         window_start, window_steps, excluded = time.perf_counter(), 0, 0.0

@@ -10,8 +10,9 @@ the same sizes, so one rank's count is every rank's. A step's count depends only
 density and whether it is a dense-stage step, so each distinct (density, stage) is synced once
 and counted for every step that has it.
 
-The baseline is Megatron's own reduction of the same buckets at the same P: an fp32
-all-reduce, or a reduce-scatter with ``--use-distributed-optimizer``. PyTorch DDP's fp16 hook
+The baseline is Megatron's own data-parallel traffic for the same buckets at the same P: an fp32
+all-reduce, or with ``--use-distributed-optimizer`` a reduce-scatter and the parameter
+all-gather (which the count includes on both sides). PyTorch DDP's fp16 or bf16 hook
 all-reduces half the bytes: 0.5x at every P.
 
     python scripts/project_wire.py [--sizes 2,8,64,1024] [--train-iters 2400] [--distopt] [--forms sparse,agreed,sharded,onebit]
@@ -57,7 +58,7 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
     add_to, decode_rows = Payload.add_to, Payload.decode_rows
     Payload.add_to = lambda self, target, buffer, layout: None
     Payload.decode_rows = lambda self, buffer, layout, dtype: torch.zeros(buffer.shape[0], layout.numel, dtype=dtype)
-    counted: dict[tuple[float, bool], tuple[float, float]] = {}
+    counted: dict[tuple[float, bool, bool], tuple[float, float]] = {}
     per_step, run = [], [0.0, 0.0]
     generator = torch.Generator().manual_seed(0)
     try:
@@ -67,8 +68,13 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
                 trainer = Trainer(args)
                 ddp = trainer.model[0]
                 schedule = ddp._higgs.schedule
+                # With the distributed optimizer, the parameter all-gather after each step: a run's first
+                # is Megatron's own (the ranks' parameters need not be equal before it), so it is a key apart.
+                gathers = ddp.ddp_config.use_distributed_optimizer
                 for step in (range(args.train_iters) if steps is None else steps):
-                    key = (schedule.density(step), schedule.dense_stage(step))
+                    key = (schedule.density(step), schedule.dense_stage(step),
+                           all(group.higgs_param_changes is None or group.higgs_param_changes.ready
+                               for group in ddp.bucket_groups))
                     if key not in counted:
                         ddp.take_stats()  # nothing before this step
                         for group in ddp.bucket_groups:
@@ -78,6 +84,8 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
                             if group.ddp_config.overlap_grad_reduce:  # else finish starts it, as in Megatron's loop
                                 group.start_grad_sync()
                             group.finish_grad_sync()
+                            if gathers:
+                                _param_sync(group)
                         stats = ddp.take_stats()
                         counted[key] = (stats.wire_bytes, stats.dense_wire_bytes)
                     wire, dense = counted[key]
@@ -88,6 +96,14 @@ def count_sync(world_size: int, argv: list[str], steps: list[int] | None = None)
     finally:
         Payload.add_to, Payload.decode_rows = add_to, decode_rows
     return {"steps": per_step, "run": run}
+
+
+def _param_sync(group) -> None:
+    """One bucket group's parameter all-gather, waited for (as after an optimizer step)."""
+    group.start_param_sync()
+    if group.param_gather_handle is not None:
+        group.param_gather_handle.wait()
+        group.param_gather_handle = None
 
 
 def _child(world_size: int, argv: list[str]) -> dict:
@@ -139,13 +155,12 @@ def main() -> int:
             wire, dense = counted["run"]
             last_wire, last_dense = counted["steps"][-1][:2]
             rows[name][size] = (wire / dense, last_wire / last_dense)
-    baseline = "reduce-scatter" if args.distopt else "all-reduce"
+    baseline = "reduce-scatter and parameter all-gather" if args.distopt else "all-reduce"
     header = " | ".join(f"P={size:,}" for size in sizes)
     lines = [f"Wire bytes per rank against Megatron's dense fp32 {baseline} at the same P, over "
              f"{args.train_iters:,} iterations (in brackets: one compressed step at the end)", "",
              f"| schedule | {header} |", "|---|" + "---|" * len(sizes)]
-    lines.append("| torch DDP + fp16 hook (all-reduce in fp16) | " + " | ".join(
-        f"{0.5 * (1 if not args.distopt else 2):.3f}" for _ in sizes) + " |")
+    lines.append("| torch DDP + fp16 or bf16 hook (all-reduce in 16 bits) | " + " | ".join("0.500" for _ in sizes) + " |")
     for name, by_size in rows.items():
         lines.append(f"| {name} | " + " | ".join(f"{run:.4f} ({step:.4f})" for run, step in by_size.values()) + " |")
     print("\n".join(lines))

@@ -25,10 +25,15 @@ from ..checkpoint.flags import CheckpointConfig, checkpoint_config_from_args
 from ..compat.symbols import SymbolMismatch, check_symbols
 from ..compat.versions import UntestedMegatron, check_megatron_core
 from ..config import HiggsConfig, compression_flags_given, higgs_config_from_args
+from ..field_flags import field_values
+from ..logs import get_logger
+from ..schedule import why_not_onebit
 from ..elastic.flags import ElasticConfig, elastic_config_from_args, elastic_flags_given
 from ..memory.flags import MemoryConfig, memory_config_from_args, offload_flags_given
 from ..stability.flags import StabilityConfig, stability_config_from_args
 from .exits import UsageError
+
+log = get_logger(__name__)
 
 PRETRAIN = "our pretrain script"  # examples/pretrain_gpt.py
 MEGATRON_LM = "Megatron-LM"  # Megatron-LM's pretrain_gpt.py under the patches
@@ -115,15 +120,27 @@ _ONEBIT = _flag("--higgs-sync onebit", _onebit)
 RULES += (
     Rule("--higgs-sync onebit", "--optimizer adam", _ONEBIT, lambda a: a.optimizer == "adam",
          "it exchanges Adam's first moment"),
-    Rule("--higgs-sync onebit", "--use-distributed-optimizer", _ONEBIT, lambda a: not a.use_distributed_optimizer,
-         "a rank holds Adam's state of its own shard only, and its share of the first moment needs all of it",
-         word="does not work with"),
     Rule("--higgs-sync onebit", "--higgs-replicas", _ONEBIT, lambda a: not elastic_flags_given(a),
          "a replica's share of the first moment is sized by the quorum", front_ends=(PRETRAIN,),
          word="does not work with"),
     Rule("--higgs-sync onebit", "--higgs-offload", _ONEBIT, lambda a: not a.higgs_offload,
          "the sync reads Adam's first moment on the device in the backward pass", word="does not work with"),
+    Rule("--higgs-sync onebit", "--num-distributed-optimizer-instances N > 1", _ONEBIT,
+         lambda a: a.num_distributed_optimizer_instances == 1,
+         "across the instances the compressed exchange is the hierarchical top-k form", word="does not work with"),
 )
+
+
+def onebit_refused(args: argparse.Namespace, front_end: str) -> str | None:
+    """Why the run's flags rule out 1-bit Adam's exchange, the default sync (the rules above
+    that name ``--higgs-sync onebit``, read as reasons), or None."""
+    chosen = argparse.Namespace(**{**vars(args), "higgs_sync": "onebit"})
+    for rule in RULES:
+        if rule.given is _ONEBIT and front_end in rule.front_ends:
+            problem = rule.problem(chosen)
+            if problem:
+                return "1-bit Adam's exchange " + problem.removeprefix("--higgs-sync onebit: ")
+    return None
 
 
 def check_rules(args: argparse.Namespace, front_end: str) -> None:
@@ -150,8 +167,16 @@ def run_config_from_args(args: argparse.Namespace, front_end: str, world_size: i
         raise UsageError(str(error)) from None
     check_rules(args, front_end)
     try:
+        compression = None
+        if args.use_higgs:
+            refused = onebit_refused(args, front_end)
+            fallback = "sparse" if elastic_flags_given(args) else "auto"  # across replicas: each rank's own top-k
+            compression = higgs_config_from_args(args, train_iters, lr_warmup_iters, refused, fallback)
+            if args.higgs_sync is None and compression.sync != "onebit":
+                log.info(f"--use-higgs: the top-k forms (--higgs-sync {fallback}) instead of 1-bit Adam's exchange, the "
+                         f"default: {why_not_onebit(field_values(args, HiggsConfig), lr_warmup_iters, refused)}")
         return RunConfig(
-            compression=higgs_config_from_args(args, train_iters, lr_warmup_iters) if args.use_higgs else None,
+            compression=compression,
             checkpoint=checkpoint_config_from_args(args),
             stability=stability_config_from_args(args, world_size),
             memory=memory_config_from_args(args),

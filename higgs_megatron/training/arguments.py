@@ -251,13 +251,13 @@ def _check_elastic(args: argparse.Namespace, world_size: int) -> None:
     refused = [flag for flag, given in (("--use-distributed-optimizer", args.use_distributed_optimizer),
                                         ("--num-experts", args.num_experts is not None),
                                         (f"--higgs-sync {args.higgs_sync}",
-                                         args.higgs_sync not in ("auto", "sparse", "dense"))) if given]
+                                         args.higgs_sync not in (None, "auto", "sparse", "dense"))) if given]
     if refused:
         raise UsageError(f"--higgs-replicas with {', '.join(refused)}: not built for elastic replicas (across them "
                          "the sync is dense or each rank's own top-k all-gathered, --higgs-sync sparse; inside "
                          "one there is no data-parallel group to shard over)")
     if args.use_higgs and args.higgs_sync == "auto":
-        args.higgs_sync = "sparse"
+        args.higgs_sync = "sparse"  # not given: the run config falls back to it from 1-bit Adam, saying why
 
 
 def _check_experts(args: argparse.Namespace, world_size: int) -> None:

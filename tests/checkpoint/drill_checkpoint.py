@@ -48,6 +48,9 @@ def _global(outs, field):
     # saved after the freeze: Adam's first moment is the exchange's, the owners' residuals are per rank
     pytest.param(2, [], ONEBIT, id="dp2-onebit"),
     pytest.param(4, ["--tensor-model-parallel-size", "2", "--global-batch-size", "16"], ONEBIT, id="tp2xdp2-onebit"),
+    # and with the distributed optimizer: the moment each rank holds for its shares is saved per
+    # rank, and the parameter all-gather's reference is read from the loaded parameters
+    pytest.param(2, ["--use-distributed-optimizer"], ONEBIT, id="dp2-distopt-onebit"),
     # megatron-core's own fully_reshardable save pads the last stage's tied embedding with zeros
     # here and the resumed run differs; the owner-written state (state.owner_written_optimizer_state) does not.
     pytest.param(4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
@@ -129,10 +132,13 @@ def test_reshard_restores_global_model_and_moments(tmp_path, save_layout, load_l
     assert resumed[-1]["start"] == 3 and losses[-1] < losses[0] + 0.5
 
 
-def test_onebit_reshards_its_moments_and_starts_its_residuals_from_zero(tmp_path, tiny_gpt_args):
+@pytest.mark.parametrize("layout", [pytest.param([], id="adam"),
+                                    pytest.param(["--use-distributed-optimizer"], id="distopt")])
+def test_onebit_reshards_its_moments_and_starts_its_residuals_from_zero(tmp_path, layout, tiny_gpt_args):
     """DP=2 to DP=4: Adam's moments (the exchange's first moment among them) move as optimizer
-    state; the ranks' and owners' residuals, sized by the old layout, start from zero."""
-    base = tiny_gpt_args + COMMON + ONEBIT + ["--global-batch-size", "16"]
+    state; the ranks' and owners' residuals, sized by the old layout, start from zero (with the
+    distributed optimizer so does the moment each rank holds for its shares)."""
+    base = tiny_gpt_args + COMMON + ONEBIT + layout + ["--global-batch-size", "16"]
     saved = run_ranks(run_trainer, 2, args=(base + ["--train-iters", "4", "--save", str(tmp_path)],))
     argv = base + ["--train-iters", "8", "--load", str(tmp_path), "--recovery-mode", "reshard"]
     resumed = run_ranks(run_trainer, 4, args=(argv,))

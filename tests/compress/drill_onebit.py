@@ -12,7 +12,8 @@ from tests.workers.common import train_variants_on_the_compressed_form
 from tests.workers.higgs_ddp import check_owner_sum_invariants, owner_sum_invariants
 
 LAYOUTS = [pytest.param(2, [], id="dp2"),
-           pytest.param(4, ["--tensor-model-parallel-size", "2"], id="tp2xdp2")]
+           pytest.param(4, ["--tensor-model-parallel-size", "2"], id="tp2xdp2"),
+           pytest.param(4, ["--use-distributed-optimizer"], id="dp4-distopt")]
 
 
 def _argv(tiny_gpt_args, layout, iters):
@@ -26,7 +27,7 @@ def test_the_first_moment_in_full_equals_frozen_adam_on_megatron_ddp(world_size,
     base = _argv(tiny_gpt_args, layout, 6) + ["--use-higgs", "--higgs-dense-iters", "2"]
     variants = {"megatron": base + ["--higgs-compressor", "none", "--higgs-freeze-adam-variance"],
                 "onebit-wide": base + ["--higgs-sync", "onebit", "--higgs-payload", "wide",
-                                       "--higgs-min-bucket-numel", "0"]}
+                                       "--higgs-min-bucket-numel", "0", "--higgs-param-payload", "dense"]}
     for out in run_ranks(train_variants_on_the_compressed_form, world_size, args=(variants,), timeout=400):
         assert out["forced"] > 0
         reference = out["params"]["megatron"]

@@ -23,10 +23,10 @@ def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert report["cuda"] is False and report["machine"].startswith("CPU figures")
     status = {row["stage"]: row["status"] for row in report["rows"]}
     assert status == {"ddp-oracle": "PASS", "optimizer-instances": "PASS", "one-percent-topk": "PASS", "one-percent-sampled-topk": "PASS",
-                      "compressor-throughput": "PASS", "async-save-resume": "PASS", "offload": "PASS",
+                      "compressor-throughput": "PASS", "onebit": "PASS", "async-save-resume": "PASS", "offload": "PASS",
                       "megatron-lm": "SKIP", "transformer-engine": "SKIP"}, status
     table = (tmp_path / "gpu_check.md").read_text()
-    assert table.startswith("GPU check: CPU figures") and table.count("| PASS |") == 7
+    assert table.startswith("GPU check: CPU figures") and table.count("| PASS |") == 8
     rows = {row["stage"]: row["values"] for row in report["rows"]}
     assert rows["ddp-oracle"]["bitwise_equal"] and rows["async-save-resume"]["bitwise_equal"]
     assert rows["optimizer-instances"]["bitwise_equal"] and rows["optimizer-instances"]["replicas_equal"]

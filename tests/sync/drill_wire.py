@@ -20,14 +20,18 @@ FORMS = {
     "sharded-distopt": ["--higgs-sync", "sharded", "--higgs-payload", "int8", "--higgs-compression-ratio", "0.05",
                         "--use-distributed-optimizer"],
     "onebit": ["--higgs-sync", "onebit"],
+    "onebit-distopt": ["--higgs-sync", "onebit", "--use-distributed-optimizer"],
 }
 
 
+# (with the distributed optimizer the parameter all-gather is counted too)
 COMPRESSED_KINDS = {"sparse-int4": {"all_gather"}, "sparse-distopt": {"all_gather"},
                     "agreed-int4": {"all_to_all", "all_reduce", "all_gather"},
-                    "agreed-distopt": {"all_to_all", "all_reduce"},
-                    "sharded-int4": {"all_to_all", "all_reduce", "all_gather"}, "sharded-distopt": {"all_to_all", "all_reduce"},
-                    "onebit": {"all_to_all", "all_reduce", "all_gather"}}
+                    "agreed-distopt": {"all_to_all", "all_reduce", "all_gather"},
+                    "sharded-int4": {"all_to_all", "all_reduce", "all_gather"},
+                    "sharded-distopt": {"all_to_all", "all_reduce", "all_gather"},
+                    "onebit": {"all_to_all", "all_reduce", "all_gather"},
+                    "onebit-distopt": {"all_to_all", "all_reduce", "all_gather"}}
 
 
 CASES = [(world_size, form) for world_size in (2, 4) for form in FORMS] + [
@@ -50,13 +54,15 @@ def test_meter_counts_what_gloo_moves(world_size, form, tiny_gpt_args):
         assert set(compressed_step["kinds"]) == COMPRESSED_KINDS[form]
         if form == "onebit":  # every coordinate, as a sign: about an eighth of the int8 dense stage's wire
             assert compressed_step["density"] == 1 and compressed_step["wire"] < dense_step["wire"] / 5
+        elif form == "onebit-distopt":  # and the parameters' int4 changes, where the first all-gather is fp32
+            assert compressed_step["density"] == 1 and compressed_step["wire"] < dense_step["wire"] / 4
         else:
             assert compressed_step["density"] < 1
         assert dense_step["density"] == 1
 
 
 @pytest.mark.parametrize("form", ["sparse-int4", "agreed-int4", "agreed-distopt", "sharded-int4", "sharded-distopt",
-                                  "onebit"])
+                                  "onebit", "onebit-distopt"])
 def test_one_rank_on_a_fake_group_counts_what_real_ranks_count(form, tiny_gpt_args):
     """``scripts/project_wire.py`` counts one rank's sync on torch's fake process group of P
     ranks (nothing moves): per step, the same wire bytes as each of P real gloo ranks counts

@@ -118,7 +118,7 @@ def test_bad_higgs_flags_are_named(argv, message):
 
 
 def test_flags_that_need_no_compressed_sync_are_accepted_without_use_higgs():
-    args = parse_args(["--check-weight-hash-across-dp-replicas-interval", "5", "--higgs-sync", "auto"],
+    args = parse_args(["--check-weight-hash-across-dp-replicas-interval", "5", "--higgs-compressor", "topk"],
                       world_size=2)  # a flag at its default is not "given"
     assert args.run_config.compression is None and args.check_weight_hash_across_dp_replicas_interval == 5
 
@@ -159,15 +159,29 @@ def test_flags_given_reads_the_parser_not_a_list():
 
 
 def test_use_higgs_alone_derives_its_schedule_from_the_run():
-    """``--use-higgs`` alone: a quarter of the coordinates in int4, a dense int8 stage as long as
-    the learning-rate warm-up, a ramp over a twentieth of the run; a schedule flag given
+    """``--use-higgs`` alone: 1-bit Adam's exchange after a dense int8 stage as long as the
+    learning-rate warm-up (with the distributed optimizer, the parameters' changes in int4).
+    Where the run rules it out, or a top-k setting is given: a quarter of the coordinates in
+    int4, the same dense stage, a ramp over a twentieth of the run; a schedule flag given
     overrides its value alone (an explicit 0 included)."""
     def config(*flags):
         return parse_args(["--train-iters", "300", "--use-higgs", *flags], world_size=2).run_config.compression
 
     alone = config()
-    assert (alone.compression_ratio, alone.payload, alone.dense_iters, alone.density_warmup_iters,
-            alone.dense_int8, alone.sync) == (0.25, "int4", 30, 15, True, "auto")
+    assert (alone.sync, alone.compression_ratio, alone.payload, alone.dense_iters, alone.density_warmup_iters,
+            alone.dense_int8, alone.param_payload) == ("onebit", 1.0, "sign", 30, 0, True, "int4")
+    assert config("--use-distributed-optimizer").sync == "onebit"
+    for ruling_out in (["--optimizer", "sgd"], ["--higgs-compression-ratio", "0.25"], ["--higgs-payload", "int4"],
+                       ["--lr-warmup-iters", "0"], ["--higgs-offload"], ["--no-higgs-error-feedback"],
+                       ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]):
+        topk = config(*ruling_out)
+        assert topk.sync == "auto" and topk.param_payload == "dense", ruling_out
+    replicas = parse_args(["--train-iters", "300", "--use-higgs", "--higgs-replicas", "2", "--higgs-replica-id", "0",
+                           "--higgs-lighthouse", "http://h:1"], world_size=1).run_config.compression
+    assert replicas.sync == "sparse"  # across a changing quorum: each rank's own top-k
+    topk = config("--higgs-sync", "auto")
+    assert (topk.compression_ratio, topk.payload, topk.dense_iters, topk.density_warmup_iters,
+            topk.dense_int8) == (0.25, "int4", 30, 15, True)
     assert config("--lr-warmup-iters", "50").dense_iters == 50
     overridden = config("--higgs-dense-iters", "0", "--higgs-compression-ratio", "0.1")
     assert (overridden.dense_iters, overridden.compression_ratio, overridden.payload) == (0, 0.1, "int4")

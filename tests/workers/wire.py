@@ -10,9 +10,11 @@ def _written() -> int:
 
 
 def _priced(ddp) -> float:
-    """The wire bytes the paths of ``ddp``'s next step price, over every bucket."""
+    """The wire bytes the paths of ``ddp``'s next step price, over every bucket, and its
+    parameter all-gather's with the distributed optimizer."""
     shared, total = ddp._higgs, 0.0
     for group in ddp.higgs_bucket_groups:
+        total += group.param_gather_wire()
         step = group.next_step()
         density, dense = shared.schedule.density(step), shared.schedule.dense_stage(step)
         for paths in group.higgs_buckets:
@@ -36,20 +38,23 @@ def sync_bytes_against_gloo(argv: list[str]) -> dict:
 
     args = parse_args(argv)
     written = [0]
-    original = HiggsBucketGroup.finish_grad_sync
+    original, original_gather = HiggsBucketGroup.finish_grad_sync, HiggsBucketGroup.start_param_sync
 
-    def fenced(group, *a, **k):
-        dist.barrier()
-        before = _written()
-        original(group, *a, **k)
-        written[0] += _written() - before
-        dist.barrier()
+    def fencing(method):
+        def fenced(group, *a, **k):
+            dist.barrier()
+            before = _written()
+            method(group, *a, **k)
+            written[0] += _written() - before
+            dist.barrier()
+        return fenced
 
     steps = []
     with training_environment(args):
         trainer = Trainer(args)
         meter = trainer.model[0]._higgs.comm.meter
-        HiggsBucketGroup.finish_grad_sync = fenced
+        HiggsBucketGroup.finish_grad_sync = fencing(original)
+        HiggsBucketGroup.start_param_sync = fencing(original_gather)  # synchronous: no --overlap-param-gather
         try:
             for _ in range(args.train_iters):
                 written[0] = 0
@@ -63,7 +68,7 @@ def sync_bytes_against_gloo(argv: list[str]) -> dict:
                               "priced": priced,
                               "density": trainer.model[0]._higgs.schedule.density(trainer.iteration - 1)})
         finally:
-            HiggsBucketGroup.finish_grad_sync = original
+            HiggsBucketGroup.finish_grad_sync, HiggsBucketGroup.start_param_sync = original, original_gather
         trainer.close()
     return {"steps": steps}
 
@@ -78,3 +83,40 @@ def fake_group_count(world_size: int, argv: list[str], steps: list[int]) -> dict
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.count_sync(world_size, argv, steps)
+
+
+def param_changes_over_steps(payload: str, steps: int, dtype_name: str) -> dict:
+    """Megatron's equal shards of one bucket's parameter buffer on every rank; each step every
+    owner moves its shard toward a target of its own (a heavy-tailed walk, as Adam's updates
+    on rare rows are) and the change goes out through ``reduce.param_gather``. Returns, per
+    step, this rank's buffer, and the worst gap between the owner's exact value and what every
+    rank holds of its shard, beside the worst step's change."""
+    import torch
+    import torch.distributed as dist
+
+    from higgs_megatron.reduce.param_gather import ParamChanges, keep_agreed, own_shard, start_param_changes
+    from higgs_megatron.reduce.wire import Collectives
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = getattr(torch, dtype_name)
+    shard = 1000  # not a multiple of 8: the row pads
+    generator = torch.Generator().manual_seed(0)  # the same start on every rank
+    buffer = torch.randn(world * shard, generator=generator).to(dtype)
+    changes, comm = ParamChanges(payload, [None]), Collectives()
+    keep_agreed(changes, [buffer], world, rank)  # as after Megatron's first, dense, gather
+    exact = own_shard(buffer, world, rank).float().clone()
+    mine = torch.Generator().manual_seed(100 + rank)
+    buffers, gaps, largest = [], [], []
+    for _ in range(steps):
+        step = torch.randn(shard, generator=mine) * 1e-3
+        step[torch.randint(0, shard, (5,), generator=mine)] *= 300  # a few coordinates move far
+        exact += step
+        own_shard(buffer, world, rank).copy_(exact)  # Megatron's copy of the main params into the buffer
+        start_param_changes(comm, dist.group.WORLD, [buffer], changes, async_op=True).wait()
+        buffers.append(buffer.clone())
+        gaps.append(float((exact - own_shard(buffer, world, rank).float()).abs().max()))
+        largest.append(float(step.abs().max()))
+    dist.barrier()
+    return {"buffers": buffers, "gaps": gaps, "largest": largest, "agreed": changes.agreed[0].clone(),
+            "mine": own_shard(buffer, world, rank).clone(), "wire": comm.meter.take().wire}
