@@ -278,6 +278,8 @@ def scale_table(args: argparse.Namespace, out: Path) -> int:
                     flags = ["--use-higgs", "--higgs-compressor", "none"]  # Megatron's reduction, in the harness
                 run_flags = (common + ["--global-batch-size", str(micro * size)] + layout_flags + flags
                              + (["--higgs-min-bucket-numel", "0"] if virtual and run != "dense" else []))
+                if run == "peer":  # torch DDP always overlaps
+                    run_flags = [flag for flag in run_flags if flag != "--overlap-grad-reduce"]
                 log_json = out / f"p{spec}{'-' + layout if layout else ''}" / f"{run}.jsonl"
                 if not (args.keep and finished(log_json, args.train_iters)) and not args.reuse:
                     run_pretrain(run_flags, log_json, size, quiet=True, virtual_dp=size if virtual else None,

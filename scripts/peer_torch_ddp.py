@@ -32,7 +32,24 @@ from higgs_megatron.training.model import build_model, build_scheduler, transfor
 from higgs_megatron.training.parallel import set_seeds  # noqa: E402
 
 
-HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+def bf16_gloo_compress_hook(process_group, bucket):  # no annotations: torch checks them, and they are strings here
+    """torch's ``default_hooks.bf16_compress_hook`` (which refuses, by its name, a backend other than NCCL
+    2.10+: gloo on CPU among them): the bucket (a ``dist.GradBucket``) averaged in bf16, then
+    cast back; returns the future torch's DDP waits on."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    compressed = bucket.buffer().to(torch.bfloat16).div_(group.size())
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(done: torch.futures.Future) -> torch.Tensor:
+        buffer = bucket.buffer()
+        buffer.copy_(done.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+HOOKS = {"fp16": default_hooks.fp16_compress_hook,
+         "bf16": default_hooks.bf16_compress_hook if torch.cuda.is_available() else bf16_gloo_compress_hook}
 
 
 def torch_ddp(hook: str):
