@@ -21,9 +21,9 @@ def host_syncs_in_gradient_path(argv: list[str]) -> dict:
 
     args = parse_args(argv)
     audit = HostSyncAudit("higgs_megatron")
-    counts = {"depth": 0, "start_grad_sync": 0, "finish_grad_sync": 0, "nonfinite_flag": 0}
+    counts = {"depth": 0, "start_grad_sync": 0, "finish_grad_sync": 0, "nonfinite_flag": 0, "start_param_sync": 0}
     audited = [(HiggsBucketGroup, "start_grad_sync"), (HiggsBucketGroup, "finish_grad_sync"),
-               (HiggsDDP, "nonfinite_flag")]
+               (HiggsDDP, "nonfinite_flag"), (HiggsBucketGroup, "start_param_sync")]
     originals = {(owner, name): getattr(owner, name) for owner, name in audited}
     inherited = {(owner, name) for owner, name in audited if name not in vars(owner)}  # e.g. finish_grad_sync
 
