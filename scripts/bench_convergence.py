@@ -281,10 +281,15 @@ def scale_table(args: argparse.Namespace, out: Path) -> int:
                 if run == "peer":  # torch DDP always overlaps
                     run_flags = [flag for flag in run_flags if flag != "--overlap-grad-reduce"]
                 log_json = out / f"p{spec}{'-' + layout if layout else ''}" / f"{run}.jsonl"
+                if args.reuse and not finished(log_json, args.train_iters):
+                    log.info(f"P={spec} {layout or 'DDP'} {run}: no finished run in {log_json}, left out")
+                    continue
                 if not (args.keep and finished(log_json, args.train_iters)) and not args.reuse:
                     run_pretrain(run_flags, log_json, size, quiet=True, virtual_dp=size if virtual else None,
                                  script="scripts/peer_torch_ddp.py" if run == "peer" else "examples/pretrain_gpt.py")
                 results[run] = summarize(log_json)
+            if "dense" not in results:
+                continue
             dense = results["dense"]
             for run, result in results.items():
                 loss = result["final validation loss"] / dense["final validation loss"]
