@@ -189,10 +189,13 @@ def _first_moments(optimizer: MegatronOptimizer, model_chunks: list[HiggsDDP]) -
     """Each chunk's ``FirstMoments``: every bucket's parameters (with the distributed optimizer,
     this rank's pieces of them), with the torch optimizer that steps each and the parameter it
     holds (ValueError naming a parameter no optimizer steps)."""
-    sharded = any(chunk.ddp_config.use_distributed_optimizer for chunk in model_chunks)
+    # Megatron's distributed optimizer holds this rank's pieces (a data-parallel group of one, as
+    # the virtual group's, gets the plain optimizer: whole parameters, whole moments)
+    sharded = any(hasattr(megatron_optimizer, "model_param_group_index_map")
+                  for megatron_optimizer, _ in torch_optimizers(optimizer))
     owners: dict[torch.Tensor, tuple[torch.optim.Optimizer, torch.Tensor, int | None, int | None]] = {}
     for megatron_optimizer, torch_optimizer in torch_optimizers(optimizer):
-        if sharded:
+        if hasattr(megatron_optimizer, "model_param_group_index_map"):
             for model_param, (main_param, start, end) in shard_pieces(megatron_optimizer, torch_optimizer).items():
                 owners[model_param] = (torch_optimizer, main_param, start, end)
         else:
