@@ -867,7 +867,7 @@ class HiggsDDP(DistributedDataParallel):
         state["steps"] = torch.tensor([g.next_step(kept[id(g)]) for g in self.higgs_bucket_groups], dtype=torch.long)
         moments = self._higgs.first_moments
         if moments is not None:  # sharded onebit: the moment the next shares are made from
-            state.update({f"group{g}.bucket{i}.moment": held.clone() for (g, i), held in moments.holding().items()})
+            state.update({f"group{g}.bucket{i}.moment": held.clone() for (g, i), held in moments.held.items()})
         return state
 
     def load_residual_state(self, state: dict[str, torch.Tensor]) -> None:

@@ -68,8 +68,11 @@ class FirstMoments:
 
     def __init__(self, slots: dict[tuple[int, int], list[MomentSlot]], beta: float, sharded: bool = False) -> None:
         self.slots, self.beta, self.sharded = slots, beta, sharded
-        self.held: dict[tuple[int, int], torch.Tensor] = {}  # sharded: the last synced moment, by bucket
-        self._holding: set[tuple[int, int]] = set()  # the buckets whose ``held`` is that of the last step
+        # [start, end) over a bucket's slots: this rank's shard under ``sharded`` (the buffer's
+        # padding between its pieces is 0 in every synced bucket, so one op covers the pieces)
+        self._spans = {key: (min(s.start for s in entries), max(s.end for s in entries))
+                       for key, entries in slots.items() if entries}
+        self.held: dict[tuple[int, int], torch.Tensor] = {}  # the last synced moment, by bucket (``hold``)
 
     def to_local_momentum(self, key: tuple[int, int], grad: torch.Tensor, share: float, average_over: int = 1) -> None:
         """``grad = (1 - beta) grad + share x beta x exp_avg / copies`` in place, for the bucket
@@ -79,10 +82,12 @@ class FirstMoments:
         ``average_over x beta x (exp_avg / copies - held)`` (the paths divide the sum by
         ``average_over``). No host sync: a scale and fused adds."""
         grad.mul_(1 - self.beta)
-        held = self.held.get(key) if key in self._holding else None
-        if held is not None:
-            grad.add_(held, alpha=share * self.beta)
+        held = self.held.get(key)
         own_weight = average_over if self.sharded else share
+        if held is not None and key in self._spans:
+            lo, hi = self._spans[key]
+            grad.add_(held, alpha=share * self.beta)
+            grad.narrow(0, lo, hi - lo).sub_(held.narrow(0, lo, hi - lo), alpha=own_weight * self.beta)
         by_copies: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for slot in self.slots[key]:
             exp_avg = slot.optimizer.state.get(slot.main_param, {}).get("exp_avg")
@@ -92,27 +97,18 @@ class FirstMoments:
                 moments.append(exp_avg.view(-1))
         for copies, (views, moments) in by_copies.items():
             torch._foreach_add_(views, moments, alpha=own_weight * self.beta / copies)
-        if held is not None:
-            own = self.slots[key]
-            torch._foreach_add_([grad.narrow(0, s.start, s.end - s.start) for s in own],
-                                [held.narrow(0, s.start, s.end - s.start) for s in own], alpha=-own_weight * self.beta)
 
     def hold(self, key: tuple[int, int], synced: torch.Tensor) -> None:
-        """``sharded``: keep the bucket's synced moment for the next step's shares."""
+        """Keep the bucket's synced moment (the same bytes on every rank) for the next step's shares."""
         if key in self.held:
             self.held[key].copy_(synced)
         else:
             self.held[key] = synced.detach().clone()
-        self._holding.add(key)
-
-    def holding(self) -> dict[tuple[int, int], torch.Tensor]:
-        """What the next compressed step's shares are made from, by bucket (saved per rank)."""
-        return {key: self.held[key] for key in sorted(self._holding)}
 
     def release(self) -> None:
-        """Forget what is held (a dense step moved Adam's moment on; a load or a heal): the next
-        compressed step's shares take the owners' moments alone."""
-        self._holding.clear()
+        """Forget what is held (a dense step moved Adam's moment on; a dropped step, a load): the
+        next compressed step's shares take the owners' moments alone."""
+        self.held.clear()
 
 
 def copies_summed_after_sync(param: torch.nn.Parameter, name: str, config, tp_size: int, embedding_size: int) -> int:

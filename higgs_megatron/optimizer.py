@@ -180,8 +180,6 @@ def separate_fp32_main_params(megatron_optimizer, torch_optimizer: torch.optim.O
                 setattr(main, name, value)
             for group in torch_optimizer.param_groups:
                 group["params"] = [main if param is view else param for param in group["params"]]
-            if view in torch_optimizer.state:
-                torch_optimizer.state[main] = torch_optimizer.state.pop(view)
             shard_group[index] = main
 
 

@@ -5,8 +5,9 @@ A user should not have to compose the schedule flag by flag. Each value below is
 
 **1-bit Adam's exchange** (``--higgs-sync onebit``, ``first_moment``) is the default wherever the
 run allows it (``why_not_onebit``: Adam, a learning-rate warm-up to learn the second moment in,
-no elastic replicas, no optimizer state offloaded, no flag of the top-k forms); it holds dense's
-loss at any P measured, at about a sixteenth of its wire bytes per rank over a run:
+no elastic replicas, no optimizer state offloaded, no flag of the top-k forms); it held dense's
+loss at every P measured, at about a fifteenth of its wire bytes per rank over a run (an eighth
+with the distributed optimizer, its parameter all-gather counted):
 
 * a dense stage as long as the learning-rate warm-up, its steps sent in int8 through the agreed
   form (a quarter of fp32's bytes), Adam as it is;

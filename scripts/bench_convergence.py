@@ -309,7 +309,8 @@ def scale_table(args: argparse.Namespace, out: Path) -> int:
         "distributed optimizer's parameter all-gather included).", "",
         "| P | layout | run | final validation loss | loss vs dense | wire over the run | wire vs dense "
         "| wire a step at the end |", "|---|---|---|---|---|---|---|---|", *rows, "",
-        f"--use-higgs at P = 1,024 (counted on the fake group, the same run): {'; '.join(counted)}."])
+        f"--use-higgs at P = 1,024 (counted on the fake group, the same run, the parameter all-gather after "
+        f"each step included): {'; '.join(counted)}."])
     out.mkdir(parents=True, exist_ok=True)
     plt = written_with_pyplot(out / "scale.md", table)
     if plt is None:

@@ -144,19 +144,14 @@ class AgreedPlan:
             per_owner = [0] * self.world
             for piece, k in zip(self.pieces, k_blocks):  # a piece sent whole takes its own length
                 per_owner[piece.owner] += piece.end - piece.start if k == piece.n_blocks else k * self.block
-            multiple = 8 if self.value_format == "sign" else 2  # whole bytes per row: 8 signs, or 2 int4 codes
-            width = -(-max(1, max(per_owner)) // multiple) * multiple
+            width = row_width(max(per_owner), self.value_format)
             self._layouts[density] = AgreedLayout(k_blocks, width, min(SPAN, width))
         return self._layouts[density]
 
     def row_bytes(self, density: float, dtype: torch.dtype, value_format: str | None = None) -> int:
         """Bytes of one row on the wire (padded to 4), in the plan's value format or ``value_format``."""
-        layout, value_format = self.layout(density), value_format or self.value_format
-        size = {"wide": dtype.itemsize * layout.width, "bf16": 2 * layout.width, "int8": layout.width,
-                "int4": layout.width // 2, "sign": layout.width // 8}[value_format]
-        if value_format in _SCALED:
-            size += 4 * layout.n_scales
-        return -(-size // 4) * 4
+        layout = self.layout(density)
+        return row_nbytes(layout.width, value_format or self.value_format, layout.span, dtype)
 
     def always_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the always-sent values' all-reduce."""
@@ -215,6 +210,23 @@ class AgreedPlan:
             flat_real.narrow(0, at, slots.numel()).copy_(slots < piece.end)
             flat_positions.narrow(0, at, slots.numel()).copy_(slots.clamp_(max=piece.end - 1))
         return positions, real
+
+
+def row_width(slots: int, value_format: str) -> int:
+    """Slots of a row holding ``slots`` values, padded to whole bytes (8 signs, or 2 int4 codes, a byte)."""
+    multiple = 8 if value_format == "sign" else 2
+    return -(-max(1, slots) // multiple) * multiple
+
+
+def row_nbytes(width: int, value_format: str, span: int, dtype: torch.dtype) -> int:
+    """Bytes of one row of ``width`` slots as ``pack_rows`` makes it (padded to 4): values in
+    ``value_format`` (``dtype``'s width for 'wide'), and for the scaled formats an fp32 scale per
+    ``span`` slots."""
+    size = {"wide": dtype.itemsize * width, "bf16": 2 * width, "int8": width, "int4": width // 2,
+            "sign": width // 8}[value_format]
+    if value_format in _SCALED:
+        size += 4 * -(-width // span)
+    return -(-size // 4) * 4
 
 
 def pack_rows(values: torch.Tensor, value_format: str, span: int, real: torch.Tensor | None = None

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..compress.agreed import pack_rows, unpack_rows
+from ..compress.agreed import pack_rows, row_nbytes, row_width, unpack_rows
 from .wire import Collectives, wire_bytes
 
 PARAM_PAYLOADS = ("dense", "int8", "int4", "sign")
@@ -48,7 +48,6 @@ PARAM_PAYLOADS = ("dense", "int8", "int4", "sign")
 # its span barely moves): a scale per 256 let int4 end 3.5% above dense's loss at P = 2 where
 # one per 64 ended within 1% (``docs/compression.md``), for an eighth of a bit more a parameter.
 SPAN = 64
-_ROW_MULTIPLE = {"int8": 1, "int4": 2, "sign": 8}  # whole bytes per row: 2 int4 codes or 8 signs a byte
 
 
 def param_gather_wire(param_bytes: int, world: int) -> float:
@@ -58,15 +57,7 @@ def param_gather_wire(param_bytes: int, world: int) -> float:
 
 def change_row_bytes(shard: int, payload: str) -> int:
     """Bytes of one owner's row for a shard of ``shard`` parameters in ``payload``'s format."""
-    width = _width(shard, payload)
-    n_scales = -(-width // SPAN)
-    body = {"int8": width, "int4": width // 2, "sign": width // 8}[payload]
-    return -(-(4 * n_scales + body) // 4) * 4
-
-
-def _width(shard: int, payload: str) -> int:
-    multiple = _ROW_MULTIPLE[payload]
-    return -(-max(shard, 1) // multiple) * multiple
+    return row_nbytes(row_width(shard, payload), payload, SPAN, torch.float32)
 
 
 @dataclass
@@ -80,8 +71,9 @@ class ParamChanges:
 
     @property
     def ready(self) -> bool:
-        """Whether every bucket's shard as every rank holds it is known (a change can be sent)."""
-        return bool(self.agreed) and all(agreed is not None for agreed in self.agreed)
+        """Whether every bucket's shard as every rank holds it is known (a change can be sent): a
+        look at the host's list, no device value read."""
+        return len(self.agreed) > 0 and all(agreed is not None for agreed in self.agreed)
 
     def forget(self) -> None:
         """A load wrote the parameters (the same on every rank: a checkpoint's model state is
@@ -124,8 +116,6 @@ def own_shard(buffer: torch.Tensor, world: int, rank: int) -> torch.Tensor:
 def keep_agreed(changes: ParamChanges, param_buffers: list[torch.Tensor], world: int, rank: int) -> None:
     """With a dense all-gather launched: each bucket's own shard is what every rank will hold
     (an all-gather's input is final when it is launched)."""
-    if len(changes.agreed) != len(param_buffers):
-        changes.agreed = [None] * len(param_buffers)
     for idx, buffer in enumerate(param_buffers):
         mine = own_shard(buffer, world, rank)
         if changes.agreed[idx] is None:
@@ -143,7 +133,7 @@ def start_param_changes(comm: Collectives, group: dist.ProcessGroup, param_buffe
     for buffer, agreed in zip(param_buffers, changes.agreed):
         flat, mine = buffer.view(-1), own_shard(buffer, world, rank)
         shard = mine.numel()
-        width = _width(shard, changes.payload)
+        width = row_width(shard, changes.payload)
         real = torch.zeros(1, width, dtype=torch.bool, device=flat.device)
         real.narrow(1, 0, shard).fill_(True)
         change = torch.zeros(1, width, dtype=torch.float32, device=flat.device)
@@ -161,6 +151,6 @@ def _apply_changes(payload: str, rows: torch.Tensor, real: torch.Tensor, flat: t
         decoded = unpack_rows(rows, payload, width, SPAN, torch.float32, real.expand(world, width))
         shards = flat.view(world, shard)
         shards.select(0, rank).copy_(agreed)  # the owner's copy was the new value: back to what the others hold
-        shards.copy_(shards.float().add_(decoded.narrow(1, 0, shard)))
+        shards.add_(decoded.narrow(1, 0, shard))  # in fp32, rounded once to the parameters' dtype
         agreed.copy_(shards.select(0, rank))
     return finish

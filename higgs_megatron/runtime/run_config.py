@@ -169,12 +169,13 @@ def run_config_from_args(args: argparse.Namespace, front_end: str, world_size: i
     try:
         compression = None
         if args.use_higgs:
-            refused = onebit_refused(args, front_end)
+            why = None if args.higgs_sync is not None else why_not_onebit(
+                field_values(args, HiggsConfig), lr_warmup_iters, onebit_refused(args, front_end))
             fallback = "sparse" if elastic_flags_given(args) else "auto"  # across replicas: each rank's own top-k
-            compression = higgs_config_from_args(args, train_iters, lr_warmup_iters, refused, fallback)
-            if args.higgs_sync is None and compression.sync != "onebit":
+            compression = higgs_config_from_args(args, train_iters, lr_warmup_iters, why, fallback)
+            if why:
                 log.info(f"--use-higgs: the top-k forms (--higgs-sync {fallback}) instead of 1-bit Adam's exchange, the "
-                         f"default: {why_not_onebit(field_values(args, HiggsConfig), lr_warmup_iters, refused)}")
+                         f"default: {why}")
         return RunConfig(
             compression=compression,
             checkpoint=checkpoint_config_from_args(args),

@@ -25,11 +25,8 @@ def test_every_rank_holds_the_same_parameters_and_they_trail_the_exact_ones(payl
         # (without the reference's feedback a sign's gap grows with every step).
         bound = {"int8": 0.05, "int4": 0.3, "sign": 8.0}[payload] * max(out["largest"])
         assert max(out["gaps"][steps // 2:]) <= bound, (payload, max(out["gaps"]), bound)
+        # what the meter counted of the tensors handed in: each owner's row, (P - 1) of them a step, of
+        # about bits + 32 / 64 bits a parameter (a scale per 64), padding included
+        bits = {"int8": 8, "int4": 4, "sign": 1}[payload] + 0.5
         assert out["wire"] == pytest.approx(steps * (world - 1) * change_row_bytes(1000, payload))
-
-
-def test_the_change_is_sent_in_fewer_bytes_than_the_parameters():
-    for dtype_bytes in (4, 2):
-        dense = 1000 * dtype_bytes
-        assert change_row_bytes(1000, "int8") < dense
-    assert change_row_bytes(1000, "sign") * 16 < 1000 * 4  # a bit and a scale per 64: about 1.5 bits a parameter
+        assert 1000 * bits / 8 <= change_row_bytes(1000, payload) <= 1000 * bits / 8 + 12

@@ -228,3 +228,14 @@ def test_a_megatron_lm_run_without_its_global_batch_yet_counts_one_micro_batch_p
                               context_parallel_size=1, lr_decay_iters=None, lr_decay_samples=None,
                               lr_warmup_fraction=None, lr_warmup_iters=0, lr_warmup_samples=1600)
     assert run_length(args) == (1000, 100)
+
+
+def test_use_higgs_says_why_it_takes_the_top_k_forms(caplog):
+    """The fallback from 1-bit Adam is one log line naming the reason, never silent."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        parse_args(["--train-iters", "300", "--use-higgs", "--optimizer", "sgd"], world_size=2)
+        parse_args(["--train-iters", "300", "--use-higgs"], world_size=2)
+    said = [record.getMessage() for record in caplog.records if "instead of 1-bit Adam" in record.getMessage()]
+    assert len(said) == 1 and "--optimizer adam" in said[0], said

@@ -27,7 +27,9 @@ def sync_bytes_against_gloo(argv: list[str]) -> dict:
     """Train ``argv`` without overlap (each bucket group's whole sync runs inside its
     ``finish_grad_sync``), fenced by barriers; per step, what this rank's meter counted
     (ring wire bytes, and the same calls under gloo's algorithms), what it wrote meanwhile,
-    and what the paths it took price (``wire_bytes`` of each bucket's path that step)."""
+    what it wrote in the rest of the step (``outside``: the fences' barriers, the loss and
+    grad-norm scalars, the step's vote; anything uncounted would show there), and what the
+    paths it took price (``wire_bytes`` of each bucket's path that step)."""
     import torch.distributed as dist
 
     from higgs_megatron.ddp import HiggsBucketGroup
@@ -59,11 +61,14 @@ def sync_bytes_against_gloo(argv: list[str]) -> dict:
             for _ in range(args.train_iters):
                 written[0] = 0
                 priced = _priced(trainer.model[0])
+                step_started = _written()
                 trainer.train_step()
+                step_written = _written() - step_started
                 trainer.iteration += 1
                 trainer.consumed_samples += args.global_batch_size
                 counted = meter.take()
-                steps.append({"written": written[0], "wire": counted.wire, "gloo": counted.wire_as(gloo_factor),
+                steps.append({"written": written[0], "outside": step_written - written[0], "wire": counted.wire,
+                              "gloo": counted.wire_as(gloo_factor),
                               "kinds": sorted({kind for kind, _ in counted.by_kind}), "calls": counted.calls,
                               "priced": priced,
                               "density": trainer.model[0]._higgs.schedule.density(trainer.iteration - 1)})
