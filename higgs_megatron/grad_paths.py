@@ -36,6 +36,7 @@ from typing import Any, Callable, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
+from .compress import sign_codec
 from .compress.agreed import AgreedPlan, ScoreBuffer, pack_rows
 from .compress.compressor import BucketPlan, ResidualBuffer, Selector, pack_with_feedback
 from .compress.payload import DENSE_INT8, Payload, SparseGrad
@@ -326,11 +327,19 @@ class AgreedForm:
             step.check(grad)
             scores.settle(step.kept)
             positions, real = plan.select(scores.committed, density)
-            values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
-            rows, rounded = pack_rows(values, value_format, layout.span, real)
             always = grad.index_select(0, plan.always_positions)  # sent whole, summed by an all-reduce
-            if residual is not None:
-                residual.stage(grad, SparseGrad(always, plan.always_positions, positions.view(-1), rounded.view(-1)))
+            if value_format == "sign" and density == 1.0 and residual is not None:  # 1-bit Adam's: one fused pass
+                left = residual.staging()
+                rows = sign_codec.encode(grad, positions, real, layout.span, left, plan.sign_runs)
+                # what no row holds stays as it is, but the always-sent values, which go whole (left_after's)
+                left.index_copy_(0, plan.outside_rows, grad.index_select(0, plan.outside_rows))
+                left.index_add_(0, plan.always_positions, always, alpha=-1)
+            else:
+                values = torch.where(real, grad.index_select(0, positions.view(-1)).view(positions.shape), 0)
+                rows, rounded = pack_rows(values, value_format, layout.span, real)
+                if residual is not None:
+                    residual.stage(grad, SparseGrad(always, plan.always_positions, positions.view(-1),
+                                                    rounded.view(-1)))
             local_scores = plan.scores(self.expected(grad, residual)) if plan.scored else None
         gather = self.gathers(payload)
         step.stats.bytes_sent += (rows.numel() + plan.score_bytes() + plan.always_bytes(grad.dtype)

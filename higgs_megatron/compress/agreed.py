@@ -94,6 +94,24 @@ class AgreedLayout:
         return -(-self.width // self.span)
 
 
+@dataclass(frozen=True)
+class RowRuns:
+    """Where a plan's rows at density 1 sit in the bucket, for the fused loops (made once with
+    the plan, on the host, from its pieces: ``AgreedPlan.sign_runs``): each row's real slots
+    are its first ``used``; ``runs`` (int64 [n, 3], CPU) are (slot of the flattened rows,
+    coordinate, length) covering them, sorted by slot (None: the rows are the values
+    themselves); ``pad`` (int64 [rows]) the coordinate row r's padding points to (-1: none)."""
+
+    runs: torch.Tensor | None
+    used: torch.Tensor
+    pad: torch.Tensor
+    counts: tuple[int, ...]  # ``used`` on the host (a step reads no device value)
+
+    def row(self, r: int) -> "RowRuns":
+        """Row ``r`` alone, as values (the owner's sums)."""
+        return RowRuns(None, self.used.narrow(0, r, 1), self.pad.narrow(0, r, 1), self.counts[r:r + 1])
+
+
 class AgreedPlan:
     """The shards, pieces and blocks of one bucket for a group of ``world`` ranks (see above)."""
 
@@ -137,6 +155,16 @@ class AgreedPlan:
         self._offsets = torch.arange(block, dtype=torch.int64, device=device)
         self._layouts: dict[float, AgreedLayout] = {}
         self._fixed_rows: dict[float, tuple[torch.Tensor, torch.Tensor, list[tuple[Piece, int, int]]]] = {}
+        # the rows at density 1 for the fused sign codec, made here, not in a step (no host data there),
+        # and the coordinates no row holds at density 1 (the always-sent ones, the bucket's padding)
+        self.sign_runs = self._row_runs() if value_format == "sign" else None
+        gaps, at = [], 0
+        for piece in sorted(self.pieces, key=lambda p: p.start):
+            gaps += [(at, piece.start)] if piece.start > at else []
+            at = piece.end
+        gaps += [(at, numel)] if numel > at else []
+        self.outside_rows = (torch.cat([torch.arange(a, b, dtype=torch.int64, device=device) for a, b in gaps])
+                             if gaps else torch.empty(0, dtype=torch.int64, device=device))
 
     def layout(self, density: float) -> AgreedLayout:
         if density not in self._layouts:
@@ -147,6 +175,17 @@ class AgreedPlan:
             width = row_width(max(per_owner), self.value_format)
             self._layouts[density] = AgreedLayout(k_blocks, width, min(SPAN, width))
         return self._layouts[density]
+
+    def _row_runs(self) -> RowRuns:
+        """``RowRuns`` of the rows at density 1: each piece whole, in order, in its owner's row."""
+        width = self.layout(1.0).width
+        used, runs = [0] * self.world, []
+        for piece in self.pieces:
+            runs.append((piece.owner * width + used[piece.owner], piece.start, piece.end - piece.start))
+            used[piece.owner] += piece.end - piece.start
+        pad = [min(owner * self.shard, self.numel - 1) if used[owner] < width else -1 for owner in range(self.world)]
+        return RowRuns(torch.tensor(sorted(runs), dtype=torch.int64).view(-1, 3), torch.tensor(used, dtype=torch.int64),
+                       torch.tensor(pad, dtype=torch.int64), tuple(used))
 
     def row_bytes(self, density: float, dtype: torch.dtype, value_format: str | None = None) -> int:
         """Bytes of one row on the wire (padded to 4), in the plan's value format or ``value_format``."""
@@ -201,6 +240,8 @@ class AgreedPlan:
         """(int64 [world, width] positions, bool [world, width] real slots) from the agreed
         ``scores``: the same on every rank that holds the same scores."""
         fixed_positions, fixed_real, chosen = self._fixed(density)
+        if not chosen:  # nothing chosen by score (every piece whole): the fixed rows, read only
+            return fixed_positions, fixed_real
         positions, real = fixed_positions.clone(), fixed_real.clone()
         flat_positions, flat_real = positions.view(-1), real.view(-1)
         for piece, k, at in chosen:
@@ -282,7 +323,7 @@ def _pack_signs(values: torch.Tensor, span: int, real: torch.Tensor) -> tuple[to
     n_scales = -(-width // span)
     fill = n_scales * span - width
     magnitudes = torch.where(real, values.abs().float(), 0)
-    sums = torch.nn.functional.pad(magnitudes, (0, fill)).view(rows, n_scales, span).sum(2)
+    sums = halving_sum(torch.nn.functional.pad(magnitudes, (0, fill)).view(rows, n_scales, span))
     counts = torch.nn.functional.pad(real, (0, fill)).view(rows, n_scales, span).sum(2, dtype=torch.float32)
     scales = torch.where(counts > 0, sums / counts.clamp(min=1), 1.0)
     per_slot = scales.repeat_interleave(span, dim=1).narrow(1, 0, width)
@@ -290,6 +331,29 @@ def _pack_signs(values: torch.Tensor, span: int, real: torch.Tensor) -> tuple[to
     rounded = torch.where(real, torch.where(positive, per_slot, per_slot.neg()), 0).to(values.dtype)
     bits = (positive.view(rows, width // 8, 8).to(torch.uint8) * bit_weights(values.device)).sum(2, dtype=torch.uint8)
     return _pad4(torch.cat([scales.view(torch.uint8).view(rows, -1), bits], dim=1)), rounded
+
+
+def halving_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s sum over its last dimension in a fixed order: padded with zeros to a power of two,
+    then slots i and i + h added, h from half of it down to 1. The fused codecs sum a span in this
+    order, so their scales equal these bit for bit (``torch.sum``'s order is its own)."""
+    width = x.shape[-1]
+    padded = 1 << max(0, width - 1).bit_length()
+    if padded != width:
+        x = torch.nn.functional.pad(x, (0, padded - width))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x.narrow(-1, 0, half) + x.narrow(-1, half, half)
+    return x.squeeze(-1)
+
+
+def ordered_row_sum(rows: torch.Tensor) -> torch.Tensor:
+    """[1, width]: the sum of ``rows`` [P, width], row 0 first, then each in order (the fused
+    codecs' order; ``sum(0)``'s is its own)."""
+    sums = rows.narrow(0, 0, 1).clone()
+    for row in rows.narrow(0, 1, rows.shape[0] - 1):
+        sums.add_(row)
+    return sums
 
 
 def _from_bits(packed: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..compress import sign_codec
 from ..compress.agreed import AgreedPlan, ScoreBuffer, pack_rows, unpack_rows
 from ..compress.compressor import ResidualBuffer
 from .wire import Collectives, StepWaits, wait_works
@@ -74,7 +75,12 @@ class PendingAgreed:
         layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
         rank = self.comm.rank(self.group)
         mine, mine_real = self.positions.select(0, rank), self.real.narrow(0, rank, 1)
-        sums = unpack_rows(self.received, fmt, layout.width, layout.span, torch.float32, mine_real).sum(0, keepdim=True)
+        # 1-bit Adam's rows at density 1: the fused sign codec (compress.sign_codec), the same bytes as pack_rows'
+        runs = self.plan.sign_runs if fmt == "sign" and self.density == 1.0 else None
+        if runs is not None:
+            sums = sign_codec.decode_sum(self.received, mine_real, layout.width, layout.span, runs.row(rank))
+        else:
+            sums = unpack_rows(self.received, fmt, layout.width, layout.span, torch.float32, mine_real).sum(0, keepdim=True)
         if self.scores is not None:
             self.score_buffer.staged = self.scores.float()
         if not self.gather:
@@ -89,14 +95,22 @@ class PendingAgreed:
         in_shard = torch.where(mine_real.view(-1), mine - rank * self.plan.shard, self.plan.shard)
         if owner is not None and not owner.committed_zero:
             sums.add_(owner.committed.index_select(0, in_shard).unsqueeze(0))
-        wire, rounded = pack_rows(sums, fmt, layout.span, mine_real)
+        if runs is not None:
+            left = torch.empty_like(sums)
+            wire = sign_codec.encode(sums, None, mine_real, layout.span, left, runs.row(rank))
+        else:
+            wire, rounded = pack_rows(sums, fmt, layout.span, mine_real)
+            left = sums - rounded.float()
         if owner is not None:  # what was sent leaves the residual; the coordinates not sent keep theirs
-            owner.stage_replacing(in_shard, (sums - rounded.float()).view(-1))
+            owner.stage_replacing(in_shard, left.view(-1))
         gathered = torch.empty_like(self.received)
         waits.issue(self.comm.all_gather, gathered, wire, self.group)
-        values = unpack_rows(gathered, fmt, layout.width, layout.span, dtype, self.real)
         self.target.zero_()
-        self.target.index_add_(0, self.positions.view(-1), values.view(-1))
+        if runs is not None:
+            sign_codec.decode_add(gathered, self.positions, self.real, layout.span, self.target, runs)
+        else:
+            values = unpack_rows(gathered, fmt, layout.width, layout.span, dtype, self.real)
+            self.target.index_add_(0, self.positions.view(-1), values.view(-1))
         self.target.index_copy_(0, self.plan.always_positions, self.always)
 
 

@@ -38,7 +38,8 @@ def installed(tmp_path_factory) -> Path:
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("higgs_megatron-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {str(p.relative_to(REPO_ROOT)) for p in REPO_ROOT.glob("higgs_megatron/**/*.py")}
+    sources = {str(p.relative_to(REPO_ROOT)) for pattern in ("higgs_megatron/**/*.py", "higgs_megatron/**/*.c")
+               for p in REPO_ROOT.glob(pattern)}  # the fused codec's C source too, built at first use
     sources |= {"higgs_megatron_patches/" + str(p.relative_to(REPO_ROOT / "patches"))
                 for p in REPO_ROOT.glob("patches/**/*.py")}
     assert sources - names == set(), "left out of the wheel (pyproject.toml's package list)"

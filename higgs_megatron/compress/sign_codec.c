@@ -1,0 +1,183 @@
+/* The sign exchange's codec on the CPU, fused: one pass per operation over a bucket's rows.
+ *
+ * The reference is compress/agreed.py (pack_rows, unpack_rows for "sign"); these loops compute
+ * the same values in the same order, so the bytes, sums and residuals are equal bit for bit
+ * (tests/compress/test_sign_codec.py): a span's sum of magnitudes by halving (slots i and
+ * i + h added, h from half the span's power of two down to 1, zeros past the span), the
+ * owner's sum of rows in row order, and no fused multiply-add (built with -ffp-contract=off,
+ * never -ffast-math).
+ *
+ * A row of the wire: an fp32 scale per span, then a bit per slot (slot j in byte j / 8, bit
+ * j % 8, set where the value is 0 or more), padded to 4 bytes. Row r's real slots are its
+ * first used[r]; the rest are padding, which carries no magnitude and decodes to 0.
+ *
+ * Where the rows are a bucket's coordinates, they are given as runs (int64 triples: a slot of
+ * the flattened rows, the coordinate it holds, a length), sorted by slot, covering each row's
+ * real slots exactly; pad[r] is the coordinate a padding slot of row r points to (-1: none),
+ * to which the reference's index_add_ adds 0 (which makes a -0 +0, so it is done here too).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_SPAN 4096
+
+typedef struct {
+    int64_t slot, coord, length;
+} run_t;
+
+static float halving_sum(float *t, int64_t pow2) {
+    for (int64_t h = pow2 >> 1; h >= 1; h >>= 1)
+        for (int64_t i = 0; i < h; i++) t[i] = t[i] + t[i + h];
+    return t[0];
+}
+
+static int64_t pow2_at_least(int64_t n) {
+    int64_t p = 1;
+    while (p < n) p <<= 1;
+    return p;
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Advances *k past the runs ending at or before slot a; the caller walks runs[*k...] while
+ * they start before its span's end. */
+static inline void skip_runs(const run_t *runs, int64_t n_runs, int64_t *k, int64_t a) {
+    while (*k < n_runs && runs[*k].slot + runs[*k].length <= a) (*k)++;
+}
+
+/* SIGN_FLIPS[byte][k]: the sign bit where bit k of byte is clear (that slot's value is -scale),
+ * so a slot decodes as the scale's bits XOR this: 8 slots from a byte without a branch. */
+static uint32_t SIGN_FLIPS[256][8];
+
+__attribute__((constructor)) static void fill_sign_flips(void) {
+    for (int byte = 0; byte < 256; byte++)
+        for (int k = 0; k < 8; k++) SIGN_FLIPS[byte][k] = ((byte >> k) & 1) ? 0u : 0x80000000u;
+}
+
+/* A span's n values into out: the first `real` the scale with each bit's sign, the rest 0
+ * (the padding); bits start at the span's first slot (a span starts on a byte). */
+static inline void decode_span(float scale, const uint8_t *bits, int64_t real, int64_t n, float *out) {
+    uint32_t scale_bits, word[8];
+    memcpy(&scale_bits, &scale, sizeof scale_bits);
+    const int64_t whole = real / 8;
+    for (int64_t b = 0; b < whole; b++) {
+        const uint32_t *flips = SIGN_FLIPS[bits[b]];
+        for (int k = 0; k < 8; k++) word[k] = scale_bits ^ flips[k];
+        memcpy(out + 8 * b, word, sizeof word);
+    }
+    for (int64_t j = 8 * whole; j < real; j++) out[j] = ((bits[j >> 3] >> (j & 7)) & 1) ? scale : -scale;
+    for (int64_t j = real; j < n; j++) out[j] = 0.0f;
+}
+
+/* Rows [rows, width] to the wire [rows, row_bytes]: from src at the runs' coordinates (the
+ * padding 0), or, where runs is NULL, src itself as the rows (the padding's own values: their
+ * bits, and left whole). left gets each real value minus what is decoded from it, at its
+ * coordinate (at every slot where runs is NULL). Returns 0, or -1 where the span is too long. */
+int sign_encode(const float *src, const int64_t *runs_, int64_t n_runs, const int64_t *used, int64_t rows,
+                int64_t width, int64_t span, int64_t row_bytes, uint8_t *wire, float *left) {
+    const run_t *runs = (const run_t *)runs_;
+    float values[MAX_SPAN], tree[MAX_SPAN];
+    if (span > MAX_SPAN) return -1;
+    const int64_t n_scales = (width + span - 1) / span, pow2 = pow2_at_least(span);
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = wire + r * row_bytes;
+        float *scales = (float *)row;
+        uint8_t *bits = row + 4 * n_scales;
+        memset(bits, 0, (size_t)(row_bytes - 4 * n_scales));
+        for (int64_t s = 0; s < n_scales; s++) {
+            const int64_t first = s * span, n = min64(span, width - first);
+            const int64_t a = r * width + first, b = a + n;  /* the span's slots, flattened */
+            const int64_t real = max64(0, min64(n, used[r] - first));
+            if (runs) {
+                memset(values, 0, (size_t)n * sizeof(float));
+                skip_runs(runs, n_runs, &k, a);
+                for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
+                    const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
+                    memcpy(values + (lo - a), src + runs[i].coord + (lo - runs[i].slot), (size_t)(hi - lo) * sizeof(float));
+                }
+            } else {
+                memcpy(values, src + a, (size_t)n * sizeof(float));
+            }
+            for (int64_t j = 0; j < real; j++) tree[j] = values[j] < 0 ? -values[j] : values[j];
+            for (int64_t j = real; j < pow2; j++) tree[j] = 0.0f;
+            const float sum = halving_sum(tree, pow2);
+            const float scale = real > 0 ? sum / (float)real : 1.0f;
+            scales[s] = scale;
+            uint8_t *span_bits = bits + first / 8;  /* a span starts on a byte: span % 8 == 0, or one span */
+            for (int64_t byte = 0; byte < n / 8; byte++) {
+                unsigned packed = 0;
+                for (int q = 0; q < 8; q++) packed |= (unsigned)(values[8 * byte + q] >= 0) << q;
+                span_bits[byte] = (uint8_t)packed;
+            }
+            for (int64_t j = n / 8 * 8; j < n; j++) span_bits[j >> 3] |= (uint8_t)((values[j] >= 0) << (j & 7));
+            if (runs) {
+                for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
+                    const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
+                    float *out = left + runs[i].coord + (lo - runs[i].slot);
+                    const float *v = values + (lo - a);
+                    for (int64_t j = 0; j < hi - lo; j++) out[j] = v[j] - (v[j] >= 0 ? scale : -scale);
+                }
+            } else {
+                float *out = left + a;
+                for (int64_t j = 0; j < real; j++) out[j] = values[j] - (values[j] >= 0 ? scale : -scale);
+                for (int64_t j = real; j < n; j++) out[j] = values[j] - 0.0f;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The owner's sum over the rows [rows, row_bytes] it received, each holding values for the
+ * same slots (the first used real), in row order, into sums [width]. */
+int sign_decode_sum(const uint8_t *wire, int64_t used, int64_t rows, int64_t width, int64_t span, int64_t row_bytes,
+                    float *sums) {
+    float values[MAX_SPAN];
+    if (span > MAX_SPAN) return -1;
+    const int64_t n_scales = (width + span - 1) / span;
+    for (int64_t s = 0; s < n_scales; s++) {
+        const int64_t first = s * span, n = min64(span, width - first);
+        const int64_t real = max64(0, min64(n, used - first));
+        float *out = sums + first;
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *row = wire + r * row_bytes;
+            const float scale = ((const float *)row)[s];
+            decode_span(scale, row + 4 * n_scales + first / 8, real, n, r == 0 ? out : values);
+            if (r > 0)
+                for (int64_t j = 0; j < n; j++) out[j] = out[j] + values[j];
+        }
+    }
+    return 0;
+}
+
+/* Every row [rows, row_bytes] added into target at the runs' coordinates (and 0 at pad[r],
+ * as index_add_ adds each padding slot's 0). */
+int sign_decode_add(const uint8_t *wire, const int64_t *runs_, int64_t n_runs, const int64_t *used, const int64_t *pad,
+                    int64_t rows, int64_t width, int64_t span, int64_t row_bytes, float *target) {
+    const run_t *runs = (const run_t *)runs_;
+    float values[MAX_SPAN];
+    if (span > MAX_SPAN) return -1;
+    const int64_t n_scales = (width + span - 1) / span;
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = wire + r * row_bytes;
+        for (int64_t s = 0; s < n_scales; s++) {
+            const int64_t first = s * span, n = min64(span, width - first);
+            const int64_t a = r * width + first, b = a + n;
+            const int64_t real = max64(0, min64(n, used[r] - first));
+            if (real == 0) continue;
+            decode_span(((const float *)row)[s], row + 4 * n_scales + first / 8, real, n, values);
+            skip_runs(runs, n_runs, &k, a);
+            for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
+                const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
+                float *out = target + runs[i].coord + (lo - runs[i].slot);
+                const float *v = values + (lo - a);
+                for (int64_t j = 0; j < hi - lo; j++) out[j] = out[j] + v[j];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        if (pad[r] >= 0) target[pad[r]] = target[pad[r]] + 0.0f;
+    return 0;
+}

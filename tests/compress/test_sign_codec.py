@@ -1,0 +1,93 @@
+"""The fused sign codec (compress/sign_codec.c) against its reference, the eager torch ops of
+compress.agreed: the same wire bytes, owner sums, residuals and decoded buckets, bit for bit,
+on plans with small parameters between the rows, padding, several spans and a partial one."""
+
+import pytest
+import torch
+
+from higgs_megatron.compress import sign_codec
+from higgs_megatron.compress.agreed import AgreedPlan, halving_sum, ordered_row_sum
+from higgs_megatron.compress.compressor import ParamSlot
+from higgs_megatron.compress.native import sign_library
+
+CPU = torch.device("cpu")
+PLANS = {
+    "small parameters between the rows, 4 owners": (5003, [ParamSlot(0, 1000), ParamSlot(1000, 1010),
+                                                          ParamSlot(1024, 5000), ParamSlot(5000, 5003)], 4),
+    "one owner, one partial span": (300, [ParamSlot(0, 300)], 1),
+    "3 owners, a bucket's padding at the end": (70000, [ParamSlot(0, 30000), ParamSlot(30000, 30020),
+                                                        ParamSlot(30020, 69990)], 3),
+}
+
+
+@pytest.fixture(autouse=True)
+def fused_library():
+    if sign_library() is None:
+        pytest.skip("no C compiler here: the fused codec falls back to the reference")
+
+
+def reference(monkeypatch):
+    monkeypatch.setattr(sign_codec, "sign_library", lambda: None)
+
+
+def run(plan: AgreedPlan, grad: torch.Tensor, rank: int, owner_residual: torch.Tensor):
+    """One rank's local work in a compressed step: its rows; as the owner of ``rank``'s shard,
+    the sums of ``plan.world`` copies of them re-signed; those rows decoded into a bucket."""
+    positions, real = plan.select(torch.empty(0), 1.0)
+    span, runs = plan.layout(1.0).span, plan.sign_runs
+    left = torch.full_like(grad, float("nan"))
+    rows = sign_codec.encode(grad, positions, real, span, left, runs)
+    received = rows.narrow(0, rank, 1).repeat(plan.world, 1)
+    mine_real = real.narrow(0, rank, 1)
+    sums = sign_codec.decode_sum(received, mine_real, real.shape[1], span, runs.row(rank))
+    sums.add_(owner_residual)
+    owner_left = torch.empty_like(sums)
+    owner_rows = sign_codec.encode(sums, None, mine_real, span, owner_left, runs.row(rank))
+    bucket = torch.zeros_like(grad)
+    sign_codec.decode_add(rows, positions, real, span, bucket, runs)
+    return rows, left, sums, owner_rows, owner_left, bucket
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_fused_codec_equals_the_reference_bit_for_bit(name, monkeypatch):
+    numel, slots, world = PLANS[name]
+    plan = AgreedPlan(numel, slots, 64, world, CPU, "sign", scored=False)
+    generator = torch.Generator().manual_seed(0)
+    grad = torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator)
+    grad[7] = 0.0  # a zero is a sign too
+    width = plan.layout(1.0).width
+    for rank in range(world):
+        owner_residual = torch.randn(1, width, generator=generator) * 0.1
+        fused = run(plan, grad, rank, owner_residual)
+        with monkeypatch.context() as patch:
+            reference(patch)
+            expected = run(plan, grad, rank, owner_residual)
+        for what, a, b in zip(("rows", "residual", "owner sums", "owner rows", "owner residual", "bucket"),
+                              fused, expected):
+            assert a.shape == b.shape and a.dtype == b.dtype, what
+            # the residual outside the rows is the caller's: untouched by both
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{what} differ at rank {rank}"
+
+
+def test_the_residual_is_what_the_receivers_do_not_decode():
+    """Conservation through the fused path: rows decoded + residual == the values sent, to the
+    rounding of the residual's one subtraction."""
+    numel, slots, world = PLANS["small parameters between the rows, 4 owners"]
+    plan = AgreedPlan(numel, slots, 64, world, CPU, "sign", scored=False)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    positions, real = plan.select(torch.empty(0), 1.0)
+    left = torch.zeros_like(grad)
+    rows = sign_codec.encode(grad, positions, real, plan.layout(1.0).span, left, plan.sign_runs)
+    decoded = torch.zeros_like(grad)
+    sign_codec.decode_add(rows, positions, real, plan.layout(1.0).span, decoded, plan.sign_runs)
+    in_rows = torch.ones(numel, dtype=torch.bool)
+    in_rows[plan.outside_rows] = False
+    assert torch.allclose((decoded + left)[in_rows], grad[in_rows], rtol=0, atol=1e-6)
+    assert not torch.allclose(decoded[in_rows], grad[in_rows], rtol=0, atol=1e-2)  # signs are not the values
+    assert torch.equal(decoded[~in_rows], torch.zeros(int((~in_rows).sum())))
+
+
+def test_the_fixed_orders_are_sums():
+    x = torch.randn(3, 5, 40, dtype=torch.float64)
+    assert torch.allclose(halving_sum(x), x.sum(-1))
+    assert torch.allclose(ordered_row_sum(x[0]), x[0].sum(0, keepdim=True))
