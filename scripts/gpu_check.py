@@ -291,40 +291,19 @@ def stage_compressor_throughput(out_dir: Path) -> Row:
                 "speedup": speedup, "shortfall": shortfall})
 
 
-def _onebit_codec_seconds(n: int, world: int, device: torch.device) -> float:
-    """One rank's codec for one bucket of ``n`` elements in a group of ``world``: its share of
-    the moment (a fused add), its sign rows, then as the owner of one shard the sum of the
-    ``world`` rows it receives re-signed, and the ``world`` gathered rows decoded into the bucket."""
-    from higgs_megatron.compress.agreed import AgreedPlan, pack_rows, unpack_rows
-    from higgs_megatron.compress.compressor import ParamSlot
+def _onebit_codec(n: int, world: int, device: torch.device) -> tuple[float, str | None]:
+    """One rank's codec for one bucket of ``n`` elements in a group of ``world``
+    (``higgs_megatron_bench.codec``: its sign rows, as the owner of one shard the rows it
+    receives summed and re-signed, the gathered rows decoded into the bucket): seconds, and
+    which output of the fused kernels (Triton on CUDA) differs from the reference's (None: none)."""
+    from higgs_megatron.compress.agreed import AgreedPlan
+    from higgs_megatron_bench.codec import bucket_slots, first_difference, one_rank_codec, time_codec
 
-    per = n // 8
-    plan = AgreedPlan(n, [ParamSlot(i * per, (i + 1) * per) for i in range(8)], min_param_numel=0, world=world,
-                      device=device, value_format="sign", scored=False)
-    layout = plan.layout(1.0)
-    generator = torch.Generator(device=device).manual_seed(0)
-    grad, moment = (torch.randn(n, generator=generator, device=device) for _ in range(2))
-    positions, real = plan.select(torch.zeros(plan.n_blocks, device=device), 1.0)
-
-    def codec() -> None:
-        share = grad.mul(0.1).add_(moment, alpha=0.9 / world)
-        values = torch.where(real, share.index_select(0, positions.view(-1)).view(positions.shape), 0)
-        rows, _ = pack_rows(values, "sign", layout.span, real)
-        mine = real.narrow(0, 0, 1).expand(world, layout.width)
-        summed = unpack_rows(rows, "sign", layout.width, layout.span, torch.float32, mine).sum(0, keepdim=True)
-        wire, _ = pack_rows(summed, "sign", layout.span, real.narrow(0, 0, 1))
-        decoded = unpack_rows(wire.expand(world, -1), "sign", layout.width, layout.span, torch.float32, real)
-        grad.zero_().index_add_(0, positions.view(-1), decoded.view(-1))
-
-    codec()  # warm-up
-    if CUDA:
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(5):
-        codec()
-    if CUDA:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - started) / 5
+    plan = AgreedPlan(n, bucket_slots(n), 4096, world, device, "sign", scored=False)
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    residual = torch.zeros(1, plan.layout(1.0).width, device=device)
+    differ = first_difference(one_rank_codec(plan, grad, 0, residual), one_rank_codec(plan, grad, 0, residual, fused=False))
+    return sum(time_codec(plan, grad, repeats=5).values()), differ
 
 
 def stage_onebit(out_dir: Path) -> Row:
@@ -349,9 +328,11 @@ def stage_onebit(out_dir: Path) -> Row:
         values[name] = {"losses": losses, "replicas_equal": replicas, "wire_ratio": wire,
                         "step_ms": last["elapsed_time_per_iteration_ms"]}
     n = 100_000_000 if CUDA else 4_000_000
-    codec = _onebit_codec_seconds(n, 8, torch.device("cuda" if CUDA else "cpu"))
+    codec, differ = _onebit_codec(n, 8, torch.device("cuda" if CUDA else "cpu"))
+    ok = ok and differ is None
     step_ms = values["onebit"]["step_ms"]
     values["codec"] = {"elements": n, "ms": codec * 1e3, "share_of_step": codec * 1e3 / step_ms}
+    figures.append(f"fused codec {'equal to' if differ is None else f'DIFFERS ({differ}) from'} the reference")
     figures.append(f"codec at {n / 1e6:.0f}M elements for 8 ranks {codec * 1e3:.1f} ms, {codec * 1e3 / step_ms:.1%} "
                    f"of the model's {step_ms:.0f} ms step{'' if CUDA else ' (CPU: a tiny model, not comparable)'}; "
                    f"no host sync in the sync path{'' if CUDA else ' (not checked without CUDA)'}")

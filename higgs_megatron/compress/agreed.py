@@ -96,20 +96,22 @@ class AgreedLayout:
 
 @dataclass(frozen=True)
 class RowRuns:
-    """Where a plan's rows at density 1 sit in the bucket, for the fused loops (made once with
+    """Where a plan's rows at density 1 sit in the bucket, for the fused codecs (made once with
     the plan, on the host, from its pieces: ``AgreedPlan.sign_runs``): each row's real slots
     are its first ``used``; ``runs`` (int64 [n, 3], CPU) are (slot of the flattened rows,
     coordinate, length) covering them, sorted by slot (None: the rows are the values
-    themselves); ``pad`` (int64 [rows]) the coordinate row r's padding points to (-1: none)."""
+    themselves); ``pad`` (int64 [rows], CPU) the coordinate row r's padding points to (-1: none)."""
 
     runs: torch.Tensor | None
     used: torch.Tensor
     pad: torch.Tensor
     counts: tuple[int, ...]  # ``used`` on the host (a step reads no device value)
+    pads: torch.Tensor  # int64, the plan's device: the coordinates of ``pad`` that are not -1
 
     def row(self, r: int) -> "RowRuns":
         """Row ``r`` alone, as values (the owner's sums)."""
-        return RowRuns(None, self.used.narrow(0, r, 1), self.pad.narrow(0, r, 1), self.counts[r:r + 1])
+        return RowRuns(None, self.used.narrow(0, r, 1), self.pad.narrow(0, r, 1), self.counts[r:r + 1],
+                       self.pads.narrow(0, 0, 0))
 
 
 class AgreedPlan:
@@ -185,7 +187,8 @@ class AgreedPlan:
             used[piece.owner] += piece.end - piece.start
         pad = [min(owner * self.shard, self.numel - 1) if used[owner] < width else -1 for owner in range(self.world)]
         return RowRuns(torch.tensor(sorted(runs), dtype=torch.int64).view(-1, 3), torch.tensor(used, dtype=torch.int64),
-                       torch.tensor(pad, dtype=torch.int64), tuple(used))
+                       torch.tensor(pad, dtype=torch.int64), tuple(used),
+                       torch.tensor([p for p in pad if p >= 0], dtype=torch.int64, device=self.device))
 
     def row_bytes(self, density: float, dtype: torch.dtype, value_format: str | None = None) -> int:
         """Bytes of one row on the wire (padded to 4), in the plan's value format or ``value_format``."""

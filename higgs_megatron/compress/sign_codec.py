@@ -8,9 +8,10 @@ forms:
 * ``decode_sum``: the P rows an owner received, summed in row order;
 * ``decode_add``: the rows gathered back, added into the bucket at their positions.
 
-Each dispatches on the tensors: on a CPU with fp32 values, the C loops of ``sign_codec.c``
-(``compress.native``); elsewhere, or where they did not build, the reference, the eager torch
-ops of ``compress.agreed`` (``pack_rows``, ``unpack_rows``). The fused forms compute the same
+Each dispatches on the tensors, for a plan's rows at density 1 (``RowRuns``) with fp32 values:
+on a CPU, the C loops of ``sign_codec.c`` (``compress.native``); on CUDA, the Triton kernels
+of ``compress.sign_triton``; elsewhere, or where neither is there, the reference, the eager
+torch ops of ``compress.agreed`` (``pack_rows``, ``unpack_rows``). The fused forms compute the same
 values in the same order: their bytes, sums and residuals equal the reference's bit for bit
 (``tests/compress/test_sign_codec.py``), so replicas stay equal whichever form a rank runs.
 
@@ -19,10 +20,28 @@ Stream order (CUDA): every operation runs on the current stream; nothing is read
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from .agreed import RowRuns, ordered_row_sum, pack_rows, row_nbytes, unpack_rows
 from .native import sign_library
+
+
+@lru_cache(maxsize=None)
+def triton_kernels():
+    """``compress.sign_triton``, or None where Triton is not installed (a CPU build of torch)."""
+    try:
+        from . import sign_triton
+    except ImportError:
+        return None
+    return sign_triton
+
+
+def _on_cuda(runs: RowRuns | None, values: torch.Tensor) -> bool:
+    """The Triton kernels take CUDA tensors, the values in fp32, for rows at density 1."""
+    return (runs is not None and values.device.type == "cuda" and values.dtype == torch.float32
+            and triton_kernels() is not None)
 
 
 def _fused(runs: RowRuns | None, values: torch.Tensor | None, *others: torch.Tensor) -> bool:
@@ -44,6 +63,8 @@ def encode(src: torch.Tensor, positions: torch.Tensor | None, real: torch.Tensor
     the fused loops). ``left`` gets each value minus what is decoded from it: at the real
     slots' positions, or (``positions`` None) [rows, width] at every slot, the padding's value
     whole."""
+    if _on_cuda(runs, src):
+        return triton_kernels().encode(src, positions, real, span, left, runs)
     rows, width = real.shape
     wire = torch.empty(rows, row_nbytes(width, "sign", span, torch.float32), dtype=torch.uint8, device=src.device)
     if _fused(runs, src, left):
@@ -67,6 +88,8 @@ def decode_sum(wire: torch.Tensor, real_row: torch.Tensor, width: int, span: int
     """fp32 [1, width]: the sum of the rows ``wire`` [P, row bytes], each holding values for the
     same slots (``real_row``: bool [1, width]; ``runs``: that row's, ``RowRuns.row``), row 0
     first, then each in order."""
+    if runs is not None and wire.device.type == "cuda" and triton_kernels() is not None:
+        return triton_kernels().decode_sum(wire, real_row, width, span, runs)
     if _fused(runs, None, wire):
         sums = torch.empty(1, width, dtype=torch.float32)
         if sign_library().sign_decode_sum(wire.data_ptr(), runs.counts[0], wire.shape[0], width, span,
@@ -79,6 +102,9 @@ def decode_add(wire: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, 
                target: torch.Tensor, runs: RowRuns | None = None) -> None:
     """``target`` += the rows ``wire`` [P, row bytes] at ``positions`` (int64 [P, width]; the
     padding adds 0), as ``index_add_`` adds them."""
+    if _on_cuda(runs, target):
+        triton_kernels().decode_add(wire, positions, real, span, target, runs)
+        return
     rows, width = real.shape
     if _fused(runs, target, wire) and runs.runs is not None:
         if sign_library().sign_decode_add(wire.data_ptr(), runs.runs.data_ptr(), runs.runs.shape[0],

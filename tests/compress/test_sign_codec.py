@@ -9,6 +9,7 @@ from higgs_megatron.compress import sign_codec
 from higgs_megatron.compress.agreed import AgreedPlan, halving_sum, ordered_row_sum
 from higgs_megatron.compress.compressor import ParamSlot
 from higgs_megatron.compress.native import sign_library
+from higgs_megatron_bench.codec import first_difference, one_rank_codec
 
 CPU = torch.device("cpu")
 PLANS = {
@@ -26,47 +27,23 @@ def fused_library():
         pytest.skip("no C compiler here: the fused codec falls back to the reference")
 
 
-def reference(monkeypatch):
-    monkeypatch.setattr(sign_codec, "sign_library", lambda: None)
-
-
-def run(plan: AgreedPlan, grad: torch.Tensor, rank: int, owner_residual: torch.Tensor):
-    """One rank's local work in a compressed step: its rows; as the owner of ``rank``'s shard,
-    the sums of ``plan.world`` copies of them re-signed; those rows decoded into a bucket."""
-    positions, real = plan.select(torch.empty(0), 1.0)
-    span, runs = plan.layout(1.0).span, plan.sign_runs
-    left = torch.full_like(grad, float("nan"))
-    rows = sign_codec.encode(grad, positions, real, span, left, runs)
-    received = rows.narrow(0, rank, 1).repeat(plan.world, 1)
-    mine_real = real.narrow(0, rank, 1)
-    sums = sign_codec.decode_sum(received, mine_real, real.shape[1], span, runs.row(rank))
-    sums.add_(owner_residual)
-    owner_left = torch.empty_like(sums)
-    owner_rows = sign_codec.encode(sums, None, mine_real, span, owner_left, runs.row(rank))
-    bucket = torch.zeros_like(grad)
-    sign_codec.decode_add(rows, positions, real, span, bucket, runs)
-    return rows, left, sums, owner_rows, owner_left, bucket
-
-
-@pytest.mark.parametrize("name", PLANS)
-def test_fused_codec_equals_the_reference_bit_for_bit(name, monkeypatch):
+def cases(name: str, device: torch.device = CPU):
+    """(plan, gradient, rank, the owner's residual) for each rank of plan ``name``."""
     numel, slots, world = PLANS[name]
-    plan = AgreedPlan(numel, slots, 64, world, CPU, "sign", scored=False)
+    plan = AgreedPlan(numel, slots, 64, world, device, "sign", scored=False)
     generator = torch.Generator().manual_seed(0)
     grad = torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator)
     grad[7] = 0.0  # a zero is a sign too
-    width = plan.layout(1.0).width
     for rank in range(world):
-        owner_residual = torch.randn(1, width, generator=generator) * 0.1
-        fused = run(plan, grad, rank, owner_residual)
-        with monkeypatch.context() as patch:
-            reference(patch)
-            expected = run(plan, grad, rank, owner_residual)
-        for what, a, b in zip(("rows", "residual", "owner sums", "owner rows", "owner residual", "bucket"),
-                              fused, expected):
-            assert a.shape == b.shape and a.dtype == b.dtype, what
-            # the residual outside the rows is the caller's: untouched by both
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{what} differ at rank {rank}"
+        yield plan, grad.to(device), rank, (torch.randn(1, plan.layout(1.0).width, generator=generator) * 0.1).to(device)
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_fused_codec_equals_the_reference_bit_for_bit(name):
+    for plan, grad, rank, owner_residual in cases(name):
+        fused = one_rank_codec(plan, grad, rank, owner_residual)
+        reference = one_rank_codec(plan, grad, rank, owner_residual, fused=False)
+        assert first_difference(fused, reference) is None, f"rank {rank}"
 
 
 def test_the_residual_is_what_the_receivers_do_not_decode():
