@@ -252,6 +252,12 @@ class _GroupHandle:
         self.on_done = on_done
         self.waits = waits
 
+    def prepare(self) -> None:
+        """Start each exchange's last collective, where it has one (``PendingAgreed.prepare``)."""
+        for pending in self.sparse:
+            if hasattr(pending, "prepare"):
+                pending.prepare(self.waits)
+
     def wait(self) -> None:
         for work in self.dense_works:
             if work is not None:
@@ -642,6 +648,11 @@ class HiggsDDP(DistributedDataParallel):
         return super().forward(*inputs, **kwargs)
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        # every bucket's last collective in flight before the first bucket decodes (the order of
+        # the groups, on every rank): the all-gathers go out while the first buckets decode
+        for group in self.higgs_bucket_groups:
+            if isinstance(group.grad_reduce_handle, _GroupHandle):
+                group.grad_reduce_handle.prepare()
         super().finish_grad_sync(force_all_reduce)
         if self._higgs_bias is not None and self._higgs.ledger is not None:
             self._higgs_bias.stage(self._higgs.ledger.taken)

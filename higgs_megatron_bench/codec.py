@@ -67,14 +67,14 @@ def time_codec(plan: AgreedPlan, grad: torch.Tensor, repeats: int, fused: bool =
             "decode": fastest(decode, device, repeats)}
 
 
-OUTPUTS = ("rows", "residual", "owner sums", "owner rows", "owner residual", "bucket")
+OUTPUTS = ("rows", "residual", "owner sums", "owner rows", "owner residual", "bucket", "bucket written over")
 
 
 def one_rank_codec(plan: AgreedPlan, grad: torch.Tensor, rank: int, owner_residual: torch.Tensor,
                    fused: bool = True, kernels: ModuleType = sign_codec) -> tuple[torch.Tensor, ...]:
     """``OUTPUTS`` for ``rank``: its rows of ``grad`` and the residual; as the owner of its shard,
     the sum of ``plan.world`` copies of its row, plus ``owner_residual``, re-signed; its rows
-    decoded into a bucket. ``fused`` False: the reference; ``kernels``: ``sign_codec`` (which
+    decoded into a bucket of zeros, and written over one of NaNs. ``fused`` False: the reference; ``kernels``: ``sign_codec`` (which
     dispatches) or a kernel module of the same functions (``sign_triton``)."""
     positions, real = plan.select(torch.empty(0, device=grad.device), 1.0)
     span, runs = plan.layout(1.0).span, plan.sign_runs if fused else None
@@ -89,7 +89,9 @@ def one_rank_codec(plan: AgreedPlan, grad: torch.Tensor, rank: int, owner_residu
     owner_rows = kernels.encode(sums, None, mine_real, span, owner_left, mine)
     bucket = torch.zeros_like(grad)
     kernels.decode_add(rows, positions, real, span, bucket, runs)
-    return rows, left, sums, owner_rows, owner_left, bucket
+    written = torch.full_like(grad, float("nan")).index_fill_(0, plan.outside_rows, 0)  # what finish hands it
+    kernels.decode_add(rows, positions, real, span, written, runs, overwrite=True)
+    return rows, left, sums, owner_rows, owner_left, bucket, written
 
 
 def first_difference(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> str | None:

@@ -118,6 +118,8 @@ def summarize(log_json: Path) -> dict:
     return {
         "iterations": iterations[-1]["iteration"],
         "final validation loss": validations[-1]["loss"] if validations else float("nan"),
+        # from the end of set-up to the last validation: the wall-clock time to the final loss
+        "time to the final loss (s)": _time_to_final_loss(events, validations),
         "tokens/s": statistics.median(r["tokens_per_second"] for r in steady),
         "step time (ms)": statistics.median(r["elapsed_time_per_iteration_ms"] for r in steady),
         "bytes sent per step": statistics.median(r["bytes_sent"] for r in steady),
@@ -135,6 +137,11 @@ def summarize(log_json: Path) -> dict:
         "wire over the run vs dense": _ratio(sum(r.get("wire_bytes", math.nan) for r in iterations),
                                              sum(r.get("dense_wire_bytes", math.nan) for r in iterations)),
     }
+
+
+def _time_to_final_loss(events: list[dict], validations: list[dict]) -> float:
+    started = [e["time"] for e in events if e["event"] == "setup_done"]
+    return validations[-1]["time"] - started[0] if validations and started else float("nan")
 
 
 def _ratio(a: float, b: float) -> float:
@@ -159,6 +166,8 @@ def markdown_table(rows: dict[str, dict], columns: Sequence[str], baseline: str 
                 cells.append(value)
             elif column.endswith("vs dense"):
                 cells.append(f"{value:.3f}x")
+            elif column.endswith("(s)"):
+                cells.append(f"{value:,.1f}")
             elif "loss" in column:
                 cells.append(f"{value:.4f}")
             elif "bytes" in column:

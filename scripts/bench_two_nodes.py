@@ -10,10 +10,9 @@ node's veth), on the default corpus, same model, per-rank batch and iterations:
 * ``megatron-ddp``: Megatron's own DDP (the dense baseline);
 * ``torch-ddp+fp16``: PyTorch DDP with its fp16 compression hook (``scripts/peer_torch_ddp.py``),
   the peer a user would pick instead;
-* ``higgs``: ``--use-higgs`` and nothing else: the schedule it derives from the run (a dense
-  int8 stage over the learning-rate warm-up, a ramp, then 0.25 density in int4) and
-  ``--higgs-sync auto``, whose cost model measures the link at start-up and picks the path
-  per bucket (its choices are reported);
+* ``higgs``: ``--use-higgs`` and nothing else: the schedule it derives from the run (1-bit
+  Adam: a dense int8 stage over the learning-rate warm-up of ``WARMUP`` iterations, every run's
+  the same, then each rank's share of Adam's first moment as signs);
 * the floor, once: the same model and per-rank batch on one rank, no gradient traffic.
 
 Reported per node count, link and configuration: median step time, tokens/s, ratios
@@ -32,126 +31,23 @@ import argparse
 import math
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from higgs_megatron_bench.nodes import NodeLinks, bits_per_second, run_on_nodes  # noqa: E402
 from higgs_megatron_bench.runs import REPO, read_log, run_pretrain, summarize  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
          "--micro-batch-size", "4", "--num-threads", "1", "--overlap-grad-reduce", "--ddp-bucket-size", "1000000"]
-SUBNET = "10.231.0"
-PORT = 29731
+# the learning-rate warm-up, as long as --use-higgs's dense stage, the shortest it derives 1-bit Adam for
+WARMUP = 10
 CONFIGURATIONS = {
     "megatron-ddp": ("pretrain", []),
     "torch-ddp+fp16": ("peer", ["--comm-hook", "fp16"]),
     "higgs": ("pretrain", ["--use-higgs"]),
 }
 SCRIPTS = {"pretrain": REPO / "examples" / "pretrain_gpt.py", "peer": REPO / "scripts" / "peer_torch_ddp.py"}
-
-
-def sh(*command: str) -> None:
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-
-
-class NodeLinks:
-    """``nodes`` namespaces, each joined to a bridge in a switch namespace by its own veth pair;
-    leaving the ``with`` block removes everything (killing what still runs in them)."""
-
-    def __init__(self, prefix: str, nodes: int) -> None:
-        if not 2 <= nodes <= 200:
-            raise ValueError(f"--nodes: {nodes} is not between 2 and 200")
-        self.switch = f"{prefix}s"
-        self.namespaces = tuple(f"{prefix}n{i}" for i in range(nodes))
-        self.interfaces = tuple(f"{prefix}-{i}" for i in range(nodes))  # the node's end of its link
-        self.ports = tuple(f"{prefix}-p{i}" for i in range(nodes))  # the switch's end
-        self.addresses = tuple(f"{SUBNET}.{i + 1}" for i in range(nodes))
-        self.created: list[str] = []
-
-    def __enter__(self) -> "NodeLinks":
-        try:
-            for ns in (self.switch, *self.namespaces):
-                sh("ip", "netns", "add", ns)
-                self.created.append(ns)
-            sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-            sh("ip", "-n", self.switch, "link", "set", "br0", "up")
-            for ns, interface, port, address in zip(self.namespaces, self.interfaces, self.ports, self.addresses):
-                sh("ip", "link", "add", interface, "netns", ns, "type", "veth", "peer", "name", port,
-                   "netns", self.switch)
-                sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
-                sh("ip", "-n", self.switch, "link", "set", port, "up")
-                sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", interface)
-                sh("ip", "-n", ns, "link", "set", interface, "up")
-                sh("ip", "-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def shape(self, rate: str) -> None:
-        """Token-bucket both directions of every node's link to ``rate`` (e.g. '1gbit'): the
-        node's end shapes what it sends, the switch's end what it receives; 'unshaped' removes it."""
-        ends = [(ns, interface) for ns, interface in zip(self.namespaces, self.interfaces)]
-        ends += [(self.switch, port) for port in self.ports]
-        for ns, interface in ends:
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", interface, "root"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            if rate != "unshaped":
-                bits = _bits_per_second(rate)
-                burst = max(64 * 1024, int(bits / 8 / 100))  # 10 ms at the rate
-                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", interface, "root", "tbf", "rate", rate,
-                   "burst", str(burst), "latency", "100ms")
-
-    def __exit__(self, *exc) -> None:
-        for ns in self.created:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
-        self.created.clear()
-
-
-def _bits_per_second(rate: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            return float(rate[:-len(unit)]) * scale
-    raise ValueError(f"--bandwidths: {rate!r} is not like 1gbit, 500mbit or unshaped")
-
-
-def run_on_nodes(links: NodeLinks, script: Path, flags: list[str], log_json: Path, ranks_per_node: int,
-                 timeout: float) -> None:
-    """One torchrun per namespace; all must succeed. The JSONL comes from the last rank."""
-    log_json.parent.mkdir(parents=True, exist_ok=True)
-    log_json.unlink(missing_ok=True)
-    nodes = len(links.namespaces)
-    print(f"$ torchrun --nnodes {nodes} --nproc_per_node {ranks_per_node} {script.relative_to(REPO)} "
-          f"{' '.join(flags)}", flush=True)
-    processes = []
-    for node, (ns, interface) in enumerate(zip(links.namespaces, links.interfaces)):
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=interface, OMP_NUM_THREADS="1")
-        command = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-                   "--node_rank", str(node), "--nproc_per_node", str(ranks_per_node), "--master_addr",
-                   links.addresses[0], "--master_port", str(PORT), str(script), *flags, "--log-json", str(log_json)]
-        processes.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
-    deadline = time.monotonic() + timeout
-    try:
-        for process in processes:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-    failed = [p for p in processes if p.returncode != 0]
-    if failed:
-        raise RuntimeError(f"a node failed (exit {failed[0].returncode}):\n{failed[0].stderr.read()[-3000:]}")
 
 
 def auto_choice(log_json: Path) -> str:
@@ -180,7 +76,7 @@ def _log(out: Path, nodes: int, rate: str, index: int) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few-minute version: fewer iterations")
-    parser.add_argument("--train-iters", type=int, default=None, help="iterations per run (default 40; --quick 12)")
+    parser.add_argument("--train-iters", type=int, default=None, help="iterations per run (default 40; --quick 24)")
     parser.add_argument("--bandwidths", nargs="+", default=["1gbit", "10gbit", "unshaped"])
     parser.add_argument("--nodes", type=int, nargs="+", default=[2], help="node counts to run (one namespace each)")
     parser.add_argument("--ranks-per-node", type=int, default=1)
@@ -191,10 +87,14 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _interrupted)  # unwind: the runs are killed, the namespaces removed
     for rate in args.bandwidths:
         if rate != "unshaped":
-            _bits_per_second(rate)
-    iters = args.train_iters or (12 if args.quick else 40)
+            bits_per_second(rate)
+    iters = args.train_iters or (24 if args.quick else 40)
+    if iters <= WARMUP:
+        raise SystemExit(f"bench_two_nodes.py: --train-iters {iters}: past the learning-rate warm-up ({WARMUP}), "
+                         "which --use-higgs sends dense, is where the runs differ")
     out = Path(args.out)
-    common = MODEL + ["--train-iters", str(iters), "--log-interval", str(max(1, iters // 4)),
+    common = MODEL + ["--train-iters", str(iters), "--lr-warmup-iters", str(WARMUP),
+                      "--log-interval", str(max(1, iters // 4)),
                       "--eval-interval", str(iters), "--eval-iters", "4"]
     if not args.reuse:
         prefix = os.environ.get("HIGGS_BENCH_NS")

@@ -157,6 +157,7 @@ class AgreedPlan:
         self._offsets = torch.arange(block, dtype=torch.int64, device=device)
         self._layouts: dict[float, AgreedLayout] = {}
         self._fixed_rows: dict[float, tuple[torch.Tensor, torch.Tensor, list[tuple[Piece, int, int]]]] = {}
+        self._in_shard: dict[tuple[int, float], torch.Tensor] = {}
         # the rows at density 1 for the fused sign codec, made here, not in a step (no host data there),
         # and the coordinates no row holds at density 1 (the always-sent ones, the bucket's padding)
         self.sign_runs = self._row_runs() if value_format == "sign" else None
@@ -238,6 +239,19 @@ class AgreedPlan:
                     min(owner * self.shard, self.numel - 1))
             self._fixed_rows[density] = (positions, real, chosen)
         return self._fixed_rows[density]
+
+    def in_shard(self, positions: torch.Tensor, real: torch.Tensor, rank: int, density: float) -> torch.Tensor:
+        """int64 [width]: ``rank``'s row of ``positions`` as coordinates of its shard, its padding
+        as the spare one past the shard (``shard``), where the owner's residual keeps it; made
+        once where nothing is chosen by score (the rows are the fixed ones)."""
+        key = (rank, density)
+        if key in self._in_shard:
+            return self._in_shard[key]
+        mine, mine_real = positions.select(0, rank), real.select(0, rank)
+        in_shard = torch.where(mine_real, mine - rank * self.shard, self.shard)
+        if not self._fixed(density)[2]:
+            self._in_shard[key] = in_shard
+        return in_shard
 
     def select(self, scores: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(int64 [world, width] positions, bool [world, width] real slots) from the agreed

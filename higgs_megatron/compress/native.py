@@ -35,7 +35,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
     "sign_encode": (_P, _P, _I, _P, _I, _I, _I, _I, _P, _P),
     "sign_decode_sum": (_P, _I, _I, _I, _I, _I, _P),
-    "sign_decode_add": (_P, _P, _I, _P, _P, _I, _I, _I, _I, _P),
+    "sign_decode_add": (_P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P),
 }
 
 

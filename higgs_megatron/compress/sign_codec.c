@@ -152,9 +152,10 @@ int sign_decode_sum(const uint8_t *wire, int64_t used, int64_t rows, int64_t wid
 }
 
 /* Every row [rows, row_bytes] added into target at the runs' coordinates (and 0 at pad[r],
- * as index_add_ adds each padding slot's 0). */
+ * as index_add_ adds each padding slot's 0); overwrite: added to 0, not to what target holds
+ * (as if those coordinates were zeroed first). */
 int sign_decode_add(const uint8_t *wire, const int64_t *runs_, int64_t n_runs, const int64_t *used, const int64_t *pad,
-                    int64_t rows, int64_t width, int64_t span, int64_t row_bytes, float *target) {
+                    int64_t rows, int64_t width, int64_t span, int64_t row_bytes, int64_t overwrite, float *target) {
     const run_t *runs = (const run_t *)runs_;
     float values[MAX_SPAN];
     if (span > MAX_SPAN) return -1;
@@ -173,7 +174,10 @@ int sign_decode_add(const uint8_t *wire, const int64_t *runs_, int64_t n_runs, c
                 const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
                 float *out = target + runs[i].coord + (lo - runs[i].slot);
                 const float *v = values + (lo - a);
-                for (int64_t j = 0; j < hi - lo; j++) out[j] = out[j] + v[j];
+                if (overwrite)
+                    for (int64_t j = 0; j < hi - lo; j++) out[j] = 0.0f + v[j];
+                else
+                    for (int64_t j = 0; j < hi - lo; j++) out[j] = out[j] + v[j];
             }
         }
     }

@@ -99,16 +99,20 @@ def decode_sum(wire: torch.Tensor, real_row: torch.Tensor, width: int, span: int
 
 
 def decode_add(wire: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, span: int,
-               target: torch.Tensor, runs: RowRuns | None = None) -> None:
+               target: torch.Tensor, runs: RowRuns | None = None, overwrite: bool = False) -> None:
     """``target`` += the rows ``wire`` [P, row bytes] at ``positions`` (int64 [P, width]; the
-    padding adds 0), as ``index_add_`` adds them."""
+    padding adds 0), as ``index_add_`` adds them. ``overwrite``: as if ``target`` were zeroed
+    first where the rows hold a coordinate (the rest is left as it is; the fused forms write
+    ``0 + value`` there, not a pass of zeros first)."""
     if _on_cuda(runs, target):
-        triton_kernels().decode_add(wire, positions, real, span, target, runs)
+        triton_kernels().decode_add(wire, positions, real, span, target, runs, overwrite)
         return
     rows, width = real.shape
     if _fused(runs, target, wire) and runs.runs is not None:
         if sign_library().sign_decode_add(wire.data_ptr(), runs.runs.data_ptr(), runs.runs.shape[0],
                                           runs.used.data_ptr(), runs.pad.data_ptr(), rows, width, span, wire.shape[1],
-                                          target.data_ptr()) == 0:
+                                          int(overwrite), target.data_ptr()) == 0:
             return
+    if overwrite:
+        target.index_fill_(0, positions.masked_select(real), 0)
     target.index_add_(0, positions.view(-1), unpack_rows(wire, "sign", width, span, target.dtype, real).view(-1))

@@ -84,14 +84,17 @@ def _decode_sum(wire, scales, real_row, sums, rows, width, n_scales, row_bytes, 
 
 @triton.jit
 def _decode_add(wire, scales, positions, real, target, width, n_scales, row_bytes, SPAN: tl.constexpr,
-                P2: tl.constexpr):
+                P2: tl.constexpr, OVERWRITE: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     value, inside = _decoded(wire, scales, real + r * width, r, s, width, n_scales, row_bytes, SPAN, P2)
     slot = s * SPAN + tl.arange(0, P2)
     is_real = tl.load(real + r * width + slot, mask=inside, other=0) != 0
     coordinate = tl.load(positions + r * width + slot, mask=inside & is_real, other=0)
-    held = tl.load(target + coordinate, mask=inside & is_real, other=0.0)
+    if OVERWRITE:  # as if zeroed first: 0 + value
+        held = tl.zeros_like(value)
+    else:
+        held = tl.load(target + coordinate, mask=inside & is_real, other=0.0)
     tl.store(target + coordinate, held + value, mask=inside & is_real)
 
 
@@ -124,11 +127,11 @@ def decode_sum(wire: torch.Tensor, real_row: torch.Tensor, width: int, span: int
 
 
 def decode_add(wire: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, span: int, target: torch.Tensor,
-               runs: RowRuns | None = None) -> None:
+               runs: RowRuns | None = None, overwrite: bool = False) -> None:
     """``compress.sign_codec.decode_add`` (an fp32 ``target``)."""
     rows, width = real.shape
     n_scales = -(-width // span)
     _decode_add[(rows, n_scales)](wire, wire.view(torch.float32), positions, real, target, width, n_scales,
-                                  wire.shape[1], **_shape(span))
+                                  wire.shape[1], OVERWRITE=overwrite, **_shape(span))
     if runs is not None and runs.pads.numel():  # the padding's 0, as index_add_ adds it (it makes a -0 a +0)
         target.index_add_(0, runs.pads, torch.zeros(runs.pads.shape, dtype=target.dtype, device=target.device))

@@ -19,11 +19,15 @@ the same calls with the same sizes:
    its own buffer over its shard's coordinates, not the rank's residual: it holds an error of the
    *sum* over P ranks, which in a rank's next row would outweigh that rank's own share and be
    rounded again there (with signs, a scale P times too large for its row).
+   ``prepare`` does this up to the all-gather and leaves it in flight; ``finish`` prepares if
+   that was not done, then waits for it and decodes. ``HiggsDDP`` prepares every bucket of
+   the step before it finishes the first, so the all-gathers are on the wire while the first
+   buckets decode (every rank prepares in the same order, so the collectives match).
 
 Stream order (CUDA): the rows and the scores are computed on the current stream before the
-launch, NCCL's streams wait for it; ``finish`` waits and then runs on the current stream, as
-the sparse path's does. On failure, as ``sparse_allreduce``: in a given-up sync ``finish``
-still issues the all-gather every rank will issue, and reads nothing.
+launch, NCCL's streams wait for it; ``prepare`` and ``finish`` wait and then run on the
+current stream, as the sparse path's does. On failure, as ``sparse_allreduce``: in a given-up
+sync the all-gather every rank will issue still goes out, and nothing is read.
 """
 
 from __future__ import annotations
@@ -62,19 +66,27 @@ class PendingAgreed:
     target: torch.Tensor
     gather: bool  # False: only this rank's shard of ``target`` is wanted (the distributed optimizer's)
 
-    def finish(self, waits: StepWaits | None = None) -> None:
-        """Wait for the exchange and the scores (through ``waits``), then sum; in a given-up
-        sync only the all-gather every rank issues goes out, and nothing is read."""
-        waits = waits or StepWaits()
+    gathered: torch.Tensor | None = None  # the owners' rows, being all-gathered (``prepare``)
+    gather_work: object = None
+    prepared: bool = False
+
+    def prepare(self, waits: StepWaits) -> None:
+        """Step 2 up to the all-gather, which is left in flight: wait for the rows and the
+        scores, sum this rank's shard, re-sign it and start gathering every owner's sums (with
+        the distributed optimizer, all of step 2). A bucket's sync prepared before the last is
+        finished puts its all-gather on the wire while those decode (``HiggsDDP``)."""
+        if self.prepared:
+            return
+        self.prepared = True
         wait_works(self, ("work", "score_work", "always_work"), waits)
         if waits.abandoned:
-            if self.gather:
-                waits.issue(self.comm.all_gather, torch.empty_like(self.received), self.received.narrow(0, 0, 1),
-                            self.group)
+            if self.gather:  # what every rank issues goes out; nothing is read
+                self.gather_work = waits.launch(self.comm.all_gather, torch.empty_like(self.received),
+                                                self.received.narrow(0, 0, 1), self.group)
             return
         layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
         rank = self.comm.rank(self.group)
-        mine, mine_real = self.positions.select(0, rank), self.real.narrow(0, rank, 1)
+        mine_real = self.real.narrow(0, rank, 1)
         # 1-bit Adam's rows at density 1: the fused sign codec (compress.sign_codec), the same bytes as pack_rows'
         runs = self.plan.sign_runs if fmt == "sign" and self.density == 1.0 else None
         if runs is not None:
@@ -84,6 +96,7 @@ class PendingAgreed:
         if self.scores is not None:
             self.score_buffer.staged = self.scores.float()
         if not self.gather:
+            mine = self.positions.select(0, rank)
             lo = min(rank * self.plan.shard, self.target.numel())
             hi = min(lo + self.plan.shard, self.target.numel())
             self.target.narrow(0, lo, hi - lo).zero_()
@@ -92,7 +105,7 @@ class PendingAgreed:
             return
         owner = self.owner_residual if fmt != "wide" else None
         # this rank's slots as coordinates of its shard; padding to the owner residual's spare last one
-        in_shard = torch.where(mine_real.view(-1), mine - rank * self.plan.shard, self.plan.shard)
+        in_shard = self.plan.in_shard(self.positions, self.real, rank, self.density)
         if owner is not None and not owner.committed_zero:
             sums.add_(owner.committed.index_select(0, in_shard).unsqueeze(0))
         if runs is not None:
@@ -103,15 +116,31 @@ class PendingAgreed:
             left = sums - rounded.float()
         if owner is not None:  # what was sent leaves the residual; the coordinates not sent keep theirs
             owner.stage_replacing(in_shard, left.view(-1))
-        gathered = torch.empty_like(self.received)
-        waits.issue(self.comm.all_gather, gathered, wire, self.group)
-        self.target.zero_()
-        if runs is not None:
-            sign_codec.decode_add(gathered, self.positions, self.real, layout.span, self.target, runs)
+        self.gathered = torch.empty_like(self.received)
+        self.gather_work = waits.launch(self.comm.all_gather, self.gathered, wire, self.group)
+
+    def finish(self, waits: StepWaits | None = None) -> None:
+        """Wait for the exchange and the scores (through ``waits``), then sum; in a given-up
+        sync only the all-gather every rank issues goes out, and nothing is read."""
+        waits = waits or StepWaits()
+        self.prepare(waits)
+        if self.gather_work is not None:
+            waits.wait(self.gather_work)
+            self.gather_work = None
+        if self.gathered is None or waits.abandoned:
+            return
+        layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
+        runs = self.plan.sign_runs if fmt == "sign" and self.density == 1.0 else None
+        if runs is not None:  # every coordinate a row holds written (0 + its value), the others 0
+            self.target.index_fill_(0, self.plan.outside_rows, 0)
+            sign_codec.decode_add(self.gathered, self.positions, self.real, layout.span, self.target, runs,
+                                  overwrite=True)
         else:
-            values = unpack_rows(gathered, fmt, layout.width, layout.span, dtype, self.real)
+            values = unpack_rows(self.gathered, fmt, layout.width, layout.span, dtype, self.real)
+            self.target.zero_()
             self.target.index_add_(0, self.positions.view(-1), values.view(-1))
         self.target.index_copy_(0, self.plan.always_positions, self.always)
+        self.gathered = None
 
 
 def launch_agreed(comm: Collectives, plan: AgreedPlan, density: float, value_format: str, positions: torch.Tensor,

@@ -197,17 +197,22 @@ class StepWaits:
         self.failed = f"rank {dist.get_rank()}: gradient sync failed: {str(error).splitlines()[0][:200]}"
         self.abandoned.append(_NOT_LAUNCHED)
 
-    def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """``collective(*args, async_op=True, **kwargs)`` (a ``Collectives`` method), then its work
-        waited for. After the step's sync was given up it still goes out, as on every other
-        rank, but a launch that fails is skipped (NCCL refuses collectives on a communicator its
-        timed-out wait aborted)."""
+    def launch(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``collective(*args, async_op=True, **kwargs)`` (a ``Collectives`` method): its work, to
+        be waited for through ``wait`` (None: its launch failed, and was recorded). After the
+        step's sync was given up it still goes out, as on every other rank, but a launch that
+        fails is skipped (NCCL refuses collectives on a communicator its timed-out wait aborted)."""
         try:
-            work = collective(*args, async_op=True, **kwargs)
+            return collective(*args, async_op=True, **kwargs)
         except RuntimeError as error:
             self.launch_failed(error)
-            return
-        self.wait(work)
+            return None
+
+    def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """``launch``, then its work waited for."""
+        work = self.launch(collective, *args, **kwargs)
+        if work is not None:
+            self.wait(work)
 
 
 class _NotLaunched:

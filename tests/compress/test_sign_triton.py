@@ -38,11 +38,12 @@ def test_the_kernels_compile_for_a_gpu(span):
         "decode_sum": (sign_triton._decode_sum, {"wire": "*u8", "scales": "*fp32", "real_row": "*i1", "sums": "*fp32",
                                                  "rows": "i32", **common}, {}),
         "decode_add": (sign_triton._decode_add, {"wire": "*u8", "scales": "*fp32", "positions": "*i64", "real": "*i1",
-                                                 "target": "*fp32", **common}, {}),
+                                                 "target": "*fp32", **common, "OVERWRITE": "constexpr"}, {}),
     }
     for name, (kernel, signature, extra) in kernels.items():
-        for rows in (False, True) if name == "encode" else (None,):
-            constants = {**shape, **extra, **({} if rows is None else {"ROWS": rows})}
+        flag = {"encode": "ROWS", "decode_add": "OVERWRITE"}.get(name)
+        for value in (False, True) if flag else (None,):
+            constants = {**shape, **extra, **({flag: value} if flag else {})}
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants),
                                       target=GPUTarget("cuda", 90, 32))
             assert "cubin" in compiled.asm and compiled.asm["cubin"], name
