@@ -36,7 +36,7 @@ from typing import Any, Callable, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
-from .compress import sign_codec
+from .compress import row_codec
 from .compress.agreed import AgreedPlan, ScoreBuffer, pack_rows
 from .compress.compressor import BucketPlan, ResidualBuffer, Selector, pack_with_feedback
 from .compress.payload import DENSE_INT8, Payload, SparseGrad
@@ -328,9 +328,9 @@ class AgreedForm:
             scores.settle(step.kept)
             positions, real = plan.select(scores.committed, density)
             always = grad.index_select(0, plan.always_positions)  # sent whole, summed by an all-reduce
-            if value_format == "sign" and density == 1.0 and residual is not None:  # 1-bit Adam's: one fused pass
+            if value_format in row_codec.FORMATS and density == 1.0 and residual is not None:  # one fused pass
                 left = residual.staging()
-                rows = sign_codec.encode(grad, positions, real, layout.span, left, plan.sign_runs)
+                rows = row_codec.encode(grad, positions, real, layout.span, left, plan.row_runs, value_format)
                 # what no row holds stays as it is, but the always-sent values, which go whole (left_after's)
                 left.index_copy_(0, plan.outside_rows, grad.index_select(0, plan.outside_rows))
                 left.index_add_(0, plan.always_positions, always, alpha=-1)

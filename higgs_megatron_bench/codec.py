@@ -1,5 +1,5 @@
 """One rank's local work in a compressed step of 1-bit Adam's exchange, and its timing, for the
-codec's tests and benchmarks (tests/compress/test_sign_codec.py, tests/workers/sign_triton.py,
+codec's tests and benchmarks (tests/compress/test_row_codec.py, tests/workers/row_triton.py,
 scripts/bench_codec.py, scripts/gpu_check.py): what ``reduce.agreed_reduce`` computes between
 the collectives, with every rank's rows standing in for what it receives."""
 
@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from higgs_megatron.compress import sign_codec
+from higgs_megatron.compress import row_codec
 from higgs_megatron.compress.agreed import AgreedPlan
 from higgs_megatron.compress.compressor import ParamSlot
 
@@ -43,55 +43,62 @@ def fastest(run: Callable[[], object], device: torch.device, repeats: int) -> fl
     return best
 
 
-def time_codec(plan: AgreedPlan, grad: torch.Tensor, repeats: int, fused: bool = True) -> dict[str, float]:
-    """Seconds of each of ``STEPS`` for rank 0 (the fastest of ``repeats``); ``fused`` False: the reference."""
+def time_codec(plan: AgreedPlan, grad: torch.Tensor, repeats: int, fused: bool = True, fmt: str = "sign"
+               ) -> dict[str, float]:
+    """Seconds of each of ``STEPS`` for rank 0 in ``fmt`` (the fastest of ``repeats``); ``fused``
+    False: the reference."""
     positions, real = plan.select(torch.empty(0, device=grad.device), 1.0)
     span, device = plan.layout(1.0).span, grad.device
-    runs = plan.sign_runs if fused else None
+    runs = plan.row_runs if fused else None
     mine_runs = runs.row(0) if runs is not None else None
     left, bucket = torch.empty_like(grad), torch.empty_like(grad)
-    rows = sign_codec.encode(grad, positions, real, span, left, runs)
+    rows = row_codec.encode(grad, positions, real, span, left, runs, fmt)
     mine = real.narrow(0, 0, 1)
-    sums = sign_codec.decode_sum(rows, mine, real.shape[1], span, mine_runs)
+    sums = row_codec.decode_sum(rows, mine, real.shape[1], span, mine_runs, fmt)
     owner_left = torch.empty_like(sums)
+    bucket.index_fill_(0, plan.outside_rows, 0)
 
-    def decode() -> None:
-        bucket.zero_()
-        sign_codec.decode_add(rows, positions, real, span, bucket, runs)
+    def decode() -> None:  # as the exchange's finish: written over
+        row_codec.decode_add(rows, positions, real, span, bucket, runs, overwrite=True, fmt=fmt)
 
-    return {"encode": fastest(lambda: sign_codec.encode(grad, positions, real, span, left, runs), device, repeats),
-            "owner sum": fastest(lambda: sign_codec.decode_sum(rows, mine, real.shape[1], span, mine_runs),
+    return {"encode": fastest(lambda: row_codec.encode(grad, positions, real, span, left, runs, fmt), device, repeats),
+            "owner sum": fastest(lambda: row_codec.decode_sum(rows, mine, real.shape[1], span, mine_runs, fmt),
                                  device, repeats),
-            "owner encode": fastest(lambda: sign_codec.encode(sums, None, mine, span, owner_left, mine_runs),
+            "owner encode": fastest(lambda: row_codec.encode(sums, None, mine, span, owner_left, mine_runs, fmt),
                                     device, repeats),
             "decode": fastest(decode, device, repeats)}
 
 
-OUTPUTS = ("rows", "residual", "owner sums", "owner rows", "owner residual", "bucket", "bucket written over")
+OUTPUTS = ("rows", "residual", "owner sums", "owner rows", "owner residual", "bucket", "bucket written over", "owners' rows decoded")
 
 
 def one_rank_codec(plan: AgreedPlan, grad: torch.Tensor, rank: int, owner_residual: torch.Tensor,
-                   fused: bool = True, kernels: ModuleType = sign_codec) -> tuple[torch.Tensor, ...]:
+                   fused: bool = True, kernels: ModuleType = row_codec, fmt: str = "sign") -> tuple[torch.Tensor, ...]:
     """``OUTPUTS`` for ``rank``: its rows of ``grad`` and the residual; as the owner of its shard,
     the sum of ``plan.world`` copies of its row, plus ``owner_residual``, re-signed; its rows
-    decoded into a bucket of zeros, and written over one of NaNs. ``fused`` False: the reference; ``kernels``: ``sign_codec`` (which
-    dispatches) or a kernel module of the same functions (``sign_triton``)."""
+    decoded into a bucket of zeros, and written over one of NaNs; its owner's row, as every
+    owner's, decoded into a bucket. ``fused`` False: the reference; ``kernels``: ``row_codec`` (which
+    dispatches) or a kernel module of the same functions (``row_triton``); ``fmt``: the rows'
+    format (``row_codec.FORMATS``; a kernel module other than ``row_codec`` takes signs)."""
+    extra = {"fmt": fmt} if kernels is row_codec else {}
     positions, real = plan.select(torch.empty(0, device=grad.device), 1.0)
-    span, runs = plan.layout(1.0).span, plan.sign_runs if fused else None
+    span, runs = plan.layout(1.0).span, plan.row_runs if fused else None
     left = torch.full_like(grad, float("nan"))
-    rows = kernels.encode(grad, positions, real, span, left, runs)
+    rows = kernels.encode(grad, positions, real, span, left, runs, **extra)
     received = rows.narrow(0, rank, 1).repeat(plan.world, 1)
     mine_real = real.narrow(0, rank, 1)
     mine = runs.row(rank) if runs is not None else None
-    sums = kernels.decode_sum(received, mine_real, real.shape[1], span, mine)
+    sums = kernels.decode_sum(received, mine_real, real.shape[1], span, mine, **extra)
     sums.add_(owner_residual)
     owner_left = torch.empty_like(sums)
-    owner_rows = kernels.encode(sums, None, mine_real, span, owner_left, mine)
+    owner_rows = kernels.encode(sums, None, mine_real, span, owner_left, mine, **extra)
     bucket = torch.zeros_like(grad)
-    kernels.decode_add(rows, positions, real, span, bucket, runs)
+    kernels.decode_add(rows, positions, real, span, bucket, runs, **extra)
     written = torch.full_like(grad, float("nan")).index_fill_(0, plan.outside_rows, 0)  # what finish hands it
-    kernels.decode_add(rows, positions, real, span, written, runs, overwrite=True)
-    return rows, left, sums, owner_rows, owner_left, bucket, written
+    kernels.decode_add(rows, positions, real, span, written, runs, overwrite=True, **extra)
+    gathered = torch.zeros_like(grad)  # the owner's row standing in for every owner's (its padding not 0)
+    kernels.decode_add(owner_rows.repeat(plan.world, 1), positions, real, span, gathered, runs, **extra)
+    return rows, left, sums, owner_rows, owner_left, bucket, written, gathered
 
 
 def first_difference(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> str | None:

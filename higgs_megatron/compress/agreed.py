@@ -97,7 +97,7 @@ class AgreedLayout:
 @dataclass(frozen=True)
 class RowRuns:
     """Where a plan's rows at density 1 sit in the bucket, for the fused codecs (made once with
-    the plan, on the host, from its pieces: ``AgreedPlan.sign_runs``): each row's real slots
+    the plan, on the host, from its pieces: ``AgreedPlan.row_runs``): each row's real slots
     are its first ``used``; ``runs`` (int64 [n, 3], CPU) are (slot of the flattened rows,
     coordinate, length) covering them, sorted by slot (None: the rows are the values
     themselves); ``pad`` (int64 [rows], CPU) the coordinate row r's padding points to (-1: none)."""
@@ -160,7 +160,7 @@ class AgreedPlan:
         self._in_shard: dict[tuple[int, float], torch.Tensor] = {}
         # the rows at density 1 for the fused sign codec, made here, not in a step (no host data there),
         # and the coordinates no row holds at density 1 (the always-sent ones, the bucket's padding)
-        self.sign_runs = self._row_runs() if value_format == "sign" else None
+        self.row_runs = self._row_runs()
         gaps, at = [], 0
         for piece in sorted(self.pieces, key=lambda p: p.start):
             gaps += [(at, piece.start)] if piece.start > at else []

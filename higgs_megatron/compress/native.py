@@ -9,7 +9,7 @@ The library goes to ``$HIGGS_KERNEL_CACHE`` (else ``$XDG_CACHE_HOME/higgs_megatr
 ``~/.cache/higgs_megatron``), named by a hash of the source, the flags and the compiler, and
 written atomically (a file renamed into place), so ranks that build at once on a shared
 directory do not read a half-written file. Where no compiler works the caller falls back to
-the reference (``compress.sign_codec``) and one warning says why; ``HIGGS_CODEC=reference``
+the reference (``compress.row_codec``) and one warning says why; ``HIGGS_CODEC=reference``
 asks for the reference.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("sign_codec.c")
+SOURCE = Path(__file__).with_name("row_codec.c")
 # no fused multiply-add and no fast-math: the loops must round as the reference's torch ops do
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -36,6 +36,9 @@ SIGNATURES = {
     "sign_encode": (_P, _P, _I, _P, _I, _I, _I, _I, _P, _P),
     "sign_decode_sum": (_P, _I, _I, _I, _I, _I, _P),
     "sign_decode_add": (_P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P),
+    "int8_encode": (_P, _P, _I, _I, _I, _I, _I, _P, _P),
+    "int8_decode_sum": (_P, _I, _I, _I, _I, _P),
+    "int8_decode_add": (_P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P),
 }
 
 
@@ -52,7 +55,7 @@ def compiler() -> str | None:
 def _build(cc: str) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((cc, *FLAGS, platform.machine())).encode()).hexdigest()[:16]
-    library = cache_dir() / f"sign_codec-{key}.so"
+    library = cache_dir() / f"row_codec-{key}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +71,7 @@ def _build(cc: str) -> Path:
 
 
 @lru_cache(maxsize=None)
-def sign_library() -> ctypes.CDLL | None:
+def codec_library() -> ctypes.CDLL | None:
     """The loaded library, or None (the reference codec runs: one warning says why)."""
     if os.environ.get("HIGGS_CODEC") == "reference":
         return None

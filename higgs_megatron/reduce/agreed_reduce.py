@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..compress import sign_codec
+from ..compress import row_codec
 from ..compress.agreed import AgreedPlan, ScoreBuffer, pack_rows, unpack_rows
 from ..compress.compressor import ResidualBuffer
 from .wire import Collectives, StepWaits, wait_works
@@ -87,10 +87,10 @@ class PendingAgreed:
         layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
         rank = self.comm.rank(self.group)
         mine_real = self.real.narrow(0, rank, 1)
-        # 1-bit Adam's rows at density 1: the fused sign codec (compress.sign_codec), the same bytes as pack_rows'
-        runs = self.plan.sign_runs if fmt == "sign" and self.density == 1.0 else None
+        # rows at density 1 in signs or int8: the fused codec (compress.row_codec), the same bytes as pack_rows'
+        runs = self.plan.row_runs if fmt in row_codec.FORMATS and self.density == 1.0 else None
         if runs is not None:
-            sums = sign_codec.decode_sum(self.received, mine_real, layout.width, layout.span, runs.row(rank))
+            sums = row_codec.decode_sum(self.received, mine_real, layout.width, layout.span, runs.row(rank), fmt)
         else:
             sums = unpack_rows(self.received, fmt, layout.width, layout.span, torch.float32, mine_real).sum(0, keepdim=True)
         if self.scores is not None:
@@ -110,7 +110,7 @@ class PendingAgreed:
             sums.add_(owner.committed.index_select(0, in_shard).unsqueeze(0))
         if runs is not None:
             left = torch.empty_like(sums)
-            wire = sign_codec.encode(sums, None, mine_real, layout.span, left, runs.row(rank))
+            wire = row_codec.encode(sums, None, mine_real, layout.span, left, runs.row(rank), fmt)
         else:
             wire, rounded = pack_rows(sums, fmt, layout.span, mine_real)
             left = sums - rounded.float()
@@ -130,11 +130,11 @@ class PendingAgreed:
         if self.gathered is None or waits.abandoned:
             return
         layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
-        runs = self.plan.sign_runs if fmt == "sign" and self.density == 1.0 else None
+        runs = self.plan.row_runs if fmt in row_codec.FORMATS and self.density == 1.0 else None
         if runs is not None:  # every coordinate a row holds written (0 + its value), the others 0
             self.target.index_fill_(0, self.plan.outside_rows, 0)
-            sign_codec.decode_add(self.gathered, self.positions, self.real, layout.span, self.target, runs,
-                                  overwrite=True)
+            row_codec.decode_add(self.gathered, self.positions, self.real, layout.span, self.target, runs,
+                                 overwrite=True, fmt=fmt)
         else:
             values = unpack_rows(self.gathered, fmt, layout.width, layout.span, dtype, self.real)
             self.target.zero_()

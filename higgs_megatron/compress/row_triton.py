@@ -1,12 +1,12 @@
 """The sign codec on CUDA: Triton kernels, one pass per operation, equal to the reference.
 
-What ``compress.sign_codec`` dispatches to for CUDA tensors (Triton ships with CUDA builds of
+What ``compress.row_codec`` dispatches to for CUDA tensors (Triton ships with CUDA builds of
 torch). Each program handles one span of one row, so a span's scale is computed where its
 values are: the sum of magnitudes by halving (``compress.agreed.halving_sum``'s order: a
 reshape to (2, h) summed over its first axis adds slots i and i + h), the count of real slots,
 their quotient correctly rounded (``div_rn``); the owner's sum adds the rows in order. The
 bytes, sums and residuals equal the reference's bit for bit
-(``tests/compress/test_sign_triton.py`` runs these kernels in Triton's interpreter and compiles
+(``tests/compress/test_row_triton.py`` runs these kernels in Triton's interpreter and compiles
 them for a GPU).
 
 Stream order: every kernel is launched on the current stream, reads what the stream wrote
@@ -105,7 +105,7 @@ def _shape(span: int) -> dict[str, int]:
 
 def encode(src: torch.Tensor, positions: torch.Tensor | None, real: torch.Tensor, span: int,
            left: torch.Tensor, runs: RowRuns | None = None) -> torch.Tensor:
-    """``compress.sign_codec.encode`` (fp32 values; ``runs`` unused: the kernel reads ``positions``)."""
+    """``compress.row_codec.encode`` (fp32 values; ``runs`` unused: the kernel reads ``positions``)."""
     rows, width = real.shape
     n_scales = -(-width // span)
     wire = torch.zeros(rows, row_nbytes(width, "sign", span, torch.float32), dtype=torch.uint8, device=src.device)
@@ -118,7 +118,7 @@ def encode(src: torch.Tensor, positions: torch.Tensor | None, real: torch.Tensor
 
 def decode_sum(wire: torch.Tensor, real_row: torch.Tensor, width: int, span: int,
                runs: RowRuns | None = None) -> torch.Tensor:
-    """``compress.sign_codec.decode_sum`` (``runs`` unused)."""
+    """``compress.row_codec.decode_sum`` (``runs`` unused)."""
     sums = torch.empty(1, width, dtype=torch.float32, device=wire.device)
     n_scales = -(-width // span)
     _decode_sum[(n_scales,)](wire, wire.view(torch.float32), real_row, sums, wire.shape[0], width, n_scales,
@@ -128,7 +128,7 @@ def decode_sum(wire: torch.Tensor, real_row: torch.Tensor, width: int, span: int
 
 def decode_add(wire: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, span: int, target: torch.Tensor,
                runs: RowRuns | None = None, overwrite: bool = False) -> None:
-    """``compress.sign_codec.decode_add`` (an fp32 ``target``)."""
+    """``compress.row_codec.decode_add`` (an fp32 ``target``)."""
     rows, width = real.shape
     n_scales = -(-width // span)
     _decode_add[(rows, n_scales)](wire, wire.view(torch.float32), positions, real, target, width, n_scales,

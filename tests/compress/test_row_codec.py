@@ -1,14 +1,14 @@
-"""The fused sign codec (compress/sign_codec.c) against its reference, the eager torch ops of
+"""The fused sign codec (compress/row_codec.c) against its reference, the eager torch ops of
 compress.agreed: the same wire bytes, owner sums, residuals and decoded buckets, bit for bit,
 on plans with small parameters between the rows, padding, several spans and a partial one."""
 
 import pytest
 import torch
 
-from higgs_megatron.compress import sign_codec
+from higgs_megatron.compress import row_codec
 from higgs_megatron.compress.agreed import AgreedPlan, halving_sum, ordered_row_sum
 from higgs_megatron.compress.compressor import ParamSlot
-from higgs_megatron.compress.native import sign_library
+from higgs_megatron.compress.native import codec_library
 from higgs_megatron_bench.codec import first_difference, one_rank_codec
 
 CPU = torch.device("cpu")
@@ -23,7 +23,7 @@ PLANS = {
 
 @pytest.fixture(autouse=True)
 def fused_library():
-    if sign_library() is None:
+    if codec_library() is None:
         pytest.skip("no C compiler here: the fused codec falls back to the reference")
 
 
@@ -38,11 +38,12 @@ def cases(name: str, device: torch.device = CPU):
         yield plan, grad.to(device), rank, (torch.randn(1, plan.layout(1.0).width, generator=generator) * 0.1).to(device)
 
 
+@pytest.mark.parametrize("fmt", row_codec.FORMATS)
 @pytest.mark.parametrize("name", PLANS)
-def test_fused_codec_equals_the_reference_bit_for_bit(name):
+def test_fused_codec_equals_the_reference_bit_for_bit(name, fmt):
     for plan, grad, rank, owner_residual in cases(name):
-        fused = one_rank_codec(plan, grad, rank, owner_residual)
-        reference = one_rank_codec(plan, grad, rank, owner_residual, fused=False)
+        fused = one_rank_codec(plan, grad, rank, owner_residual, fmt=fmt)
+        reference = one_rank_codec(plan, grad, rank, owner_residual, fused=False, fmt=fmt)
         assert first_difference(fused, reference) is None, f"rank {rank}"
 
 
@@ -54,9 +55,9 @@ def test_the_residual_is_what_the_receivers_do_not_decode():
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     positions, real = plan.select(torch.empty(0), 1.0)
     left = torch.zeros_like(grad)
-    rows = sign_codec.encode(grad, positions, real, plan.layout(1.0).span, left, plan.sign_runs)
+    rows = row_codec.encode(grad, positions, real, plan.layout(1.0).span, left, plan.row_runs)
     decoded = torch.zeros_like(grad)
-    sign_codec.decode_add(rows, positions, real, plan.layout(1.0).span, decoded, plan.sign_runs)
+    row_codec.decode_add(rows, positions, real, plan.layout(1.0).span, decoded, plan.row_runs)
     in_rows = torch.ones(numel, dtype=torch.bool)
     in_rows[plan.outside_rows] = False
     assert torch.allclose((decoded + left)[in_rows], grad[in_rows], rtol=0, atol=1e-6)

@@ -2,7 +2,7 @@
  *
  * The reference is compress/agreed.py (pack_rows, unpack_rows for "sign"); these loops compute
  * the same values in the same order, so the bytes, sums and residuals are equal bit for bit
- * (tests/compress/test_sign_codec.py): a span's sum of magnitudes by halving (slots i and
+ * (tests/compress/test_row_codec.py): a span's sum of magnitudes by halving (slots i and
  * i + h added, h from half the span's power of two down to 1, zeros past the span), the
  * owner's sum of rows in row order, and no fused multiply-add (built with -ffp-contract=off,
  * never -ffast-math).
@@ -183,5 +183,133 @@ int sign_decode_add(const uint8_t *wire, const int64_t *runs_, int64_t n_runs, c
     }
     for (int64_t r = 0; r < rows; r++)
         if (pad[r] >= 0) target[pad[r]] = target[pad[r]] + 0.0f;
+    return 0;
+}
+
+/* int8 (the dense steps' format): a scale per span, the span's largest magnitude over 127 (of
+ * every slot: the padding's values too, as the reference's amax; they are 0 at positions, and
+ * the owner's padding sums are 0 as well), each value's code its quotient by the scale rounded
+ * half to even and clamped to [-127, 127], decoded as code x scale, the padding's code too. */
+
+/* x rounded to an integer, half to even, for |x| < 2^22 (the codes' quotients): the fp32 sum with
+ * 1.5 x 2^23 has no fraction bits left, and IEEE rounds it to nearest even; as torch.round. */
+static inline float round_half_even(float x) { return (x + 12582912.0f) - 12582912.0f; }
+
+int int8_encode(const float *src, const int64_t *runs_, int64_t n_runs, int64_t rows, int64_t width, int64_t span,
+                int64_t row_bytes, uint8_t *wire, float *left) {
+    const run_t *runs = (const run_t *)runs_;
+    float values[MAX_SPAN];
+    if (span > MAX_SPAN) return -1;
+    const int64_t n_scales = (width + span - 1) / span;
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = wire + r * row_bytes;
+        float *scales = (float *)row;
+        int8_t *codes = (int8_t *)(row + 4 * n_scales);
+        memset(row + 4 * n_scales + width, 0, (size_t)(row_bytes - 4 * n_scales - width));
+        for (int64_t s = 0; s < n_scales; s++) {
+            const int64_t first = s * span, n = min64(span, width - first);
+            const int64_t a = r * width + first, b = a + n;
+            if (runs) {
+                memset(values, 0, (size_t)n * sizeof(float));
+                skip_runs(runs, n_runs, &k, a);
+                for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
+                    const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
+                    memcpy(values + (lo - a), src + runs[i].coord + (lo - runs[i].slot), (size_t)(hi - lo) * sizeof(float));
+                }
+            } else {
+                memcpy(values, src + a, (size_t)n * sizeof(float));
+            }
+            /* the largest magnitude as the largest bit pattern with the sign cleared: the same
+             * order for non-negative floats (a NaN's is above infinity's, so it wins, as in
+             * amax), and an integer maximum the compiler vectorizes */
+            int32_t amax_bits = 0;
+            for (int64_t j = 0; j < n; j++) {
+                int32_t bits;
+                memcpy(&bits, values + j, sizeof bits);
+                bits &= 0x7fffffff;
+                amax_bits = bits > amax_bits ? bits : amax_bits;
+            }
+            float amax;
+            memcpy(&amax, &amax_bits, sizeof amax);
+            const float scale = amax > 0 ? amax / 127.0f : 1.0f;
+            scales[s] = scale;
+            float quantized[MAX_SPAN];
+            for (int64_t j = 0; j < n; j++) {
+                const float code = round_half_even(values[j] / scale);
+                quantized[j] = code < -127.0f ? -127.0f : (code > 127.0f ? 127.0f : code);
+                values[j] = values[j] - quantized[j] * scale;  /* what is left */
+            }
+            for (int64_t j = 0; j < n; j++) codes[first + j] = (int8_t)quantized[j];
+            if (runs) {
+                for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
+                    const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
+                    memcpy(left + runs[i].coord + (lo - runs[i].slot), values + (lo - a), (size_t)(hi - lo) * sizeof(float));
+                }
+            } else {
+                memcpy(left + a, values, (size_t)n * sizeof(float));
+            }
+        }
+    }
+    return 0;
+}
+
+static inline void decode_int8_span(float scale, const int8_t *codes, int64_t n, float *out) {
+    for (int64_t j = 0; j < n; j++) out[j] = (float)codes[j] * scale;
+}
+
+int int8_decode_sum(const uint8_t *wire, int64_t rows, int64_t width, int64_t span, int64_t row_bytes, float *sums) {
+    float values[MAX_SPAN];
+    if (span > MAX_SPAN) return -1;
+    const int64_t n_scales = (width + span - 1) / span;
+    for (int64_t s = 0; s < n_scales; s++) {
+        const int64_t first = s * span, n = min64(span, width - first);
+        float *out = sums + first;
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *row = wire + r * row_bytes;
+            const int8_t *codes = (const int8_t *)(row + 4 * n_scales) + first;
+            decode_int8_span(((const float *)row)[s], codes, n, r == 0 ? out : values);
+            if (r > 0)
+                for (int64_t j = 0; j < n; j++) out[j] = out[j] + values[j];
+        }
+    }
+    return 0;
+}
+
+/* As sign_decode_add; each padding slot's decoded value (0 in practice) added at pad[r], in
+ * slot order, as index_add_ adds it. */
+int int8_decode_add(const uint8_t *wire, const int64_t *runs_, int64_t n_runs, const int64_t *used, const int64_t *pad,
+                    int64_t rows, int64_t width, int64_t span, int64_t row_bytes, int64_t overwrite, float *target) {
+    const run_t *runs = (const run_t *)runs_;
+    float values[MAX_SPAN];
+    if (span > MAX_SPAN) return -1;
+    const int64_t n_scales = (width + span - 1) / span;
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = wire + r * row_bytes;
+        const int8_t *codes = (const int8_t *)(row + 4 * n_scales);
+        for (int64_t s = 0; s < n_scales; s++) {
+            const int64_t first = s * span, n = min64(span, width - first);
+            const int64_t a = r * width + first, b = a + n;
+            decode_int8_span(((const float *)row)[s], codes + first, n, values);
+            skip_runs(runs, n_runs, &k, a);
+            for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
+                const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
+                float *out = target + runs[i].coord + (lo - runs[i].slot);
+                const float *v = values + (lo - a);
+                if (overwrite)
+                    for (int64_t j = 0; j < hi - lo; j++) out[j] = 0.0f + v[j];
+                else
+                    for (int64_t j = 0; j < hi - lo; j++) out[j] = out[j] + v[j];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        if (pad[r] < 0) continue;
+        const uint8_t *row = wire + r * row_bytes;
+        const int8_t *codes = (const int8_t *)(row + 4 * n_scales);
+        for (int64_t j = used[r]; j < width; j++)
+            target[pad[r]] = target[pad[r]] + (float)codes[j] * ((const float *)row)[j / span];
+    }
     return 0;
 }
