@@ -34,12 +34,11 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {
     "sign_encode": (_P, _P, _I, _P, _I, _I, _I, _I, _P, _P),
-    "sign_decode_sum": (_P, _I, _I, _I, _I, _I, _P),
-    "sign_decode_add": (_P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P),
     "int8_encode": (_P, _P, _I, _I, _I, _I, _I, _P, _P),
-    "int8_decode_sum": (_P, _I, _I, _I, _I, _P),
-    "int8_decode_add": (_P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P),
+    "rows_decode_sum": (_I, _P, _I, _I, _I, _I, _I, _P),
+    "rows_decode_add": (_I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _P),
 }
+FORMAT_CODES = {"sign": 0, "int8": 1}  # row_codec.c's SIGN, INT8
 
 
 def cache_dir() -> Path:

@@ -40,10 +40,45 @@ static int64_t pow2_at_least(int64_t n) {
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* Advances *k past the runs ending at or before slot a; the caller walks runs[*k...] while
- * they start before its span's end. */
-static inline void skip_runs(const run_t *runs, int64_t n_runs, int64_t *k, int64_t a) {
+/* The n values of the span at slot a of the flattened rows, from src at the runs' coordinates
+ * (the padding 0), or src itself where runs is NULL; *k is the first run not yet passed (the
+ * spans come in order). */
+static void gather_span(const float *src, const run_t *runs, int64_t n_runs, int64_t *k, int64_t a, int64_t n,
+                        float *values) {
+    if (!runs) {
+        memcpy(values, src + a, (size_t)n * sizeof(float));
+        return;
+    }
+    memset(values, 0, (size_t)n * sizeof(float));
     while (*k < n_runs && runs[*k].slot + runs[*k].length <= a) (*k)++;
+    for (int64_t i = *k; i < n_runs && runs[i].slot < a + n; i++) {
+        const int64_t lo = max64(a, runs[i].slot), hi = min64(a + n, runs[i].slot + runs[i].length);
+        memcpy(values + (lo - a), src + runs[i].coord + (lo - runs[i].slot), (size_t)(hi - lo) * sizeof(float));
+    }
+}
+
+enum { WRITE, ADD, ADD_TO_ZERO };
+
+/* The span's n values put at the runs' coordinates of out (or at slot a where runs is NULL):
+ * written, added to what out holds, or added to 0 (as if out were zeroed first). */
+static void put_span(const run_t *runs, int64_t n_runs, int64_t *k, int64_t a, int64_t n, const float *values,
+                     int how, float *out) {
+    if (!runs) {
+        memcpy(out + a, values, (size_t)n * sizeof(float));
+        return;
+    }
+    while (*k < n_runs && runs[*k].slot + runs[*k].length <= a) (*k)++;
+    for (int64_t i = *k; i < n_runs && runs[i].slot < a + n; i++) {
+        const int64_t lo = max64(a, runs[i].slot), hi = min64(a + n, runs[i].slot + runs[i].length);
+        float *o = out + runs[i].coord + (lo - runs[i].slot);
+        const float *v = values + (lo - a);
+        if (how == WRITE)
+            memcpy(o, v, (size_t)(hi - lo) * sizeof(float));
+        else if (how == ADD)
+            for (int64_t j = 0; j < hi - lo; j++) o[j] = o[j] + v[j];
+        else
+            for (int64_t j = 0; j < hi - lo; j++) o[j] = 0.0f + v[j];
+    }
 }
 
 /* SIGN_FLIPS[byte][k]: the sign bit where bit k of byte is clear (that slot's value is -scale),
@@ -80,26 +115,16 @@ int sign_encode(const float *src, const int64_t *runs_, int64_t n_runs, const in
     float values[MAX_SPAN], tree[MAX_SPAN];
     if (span > MAX_SPAN) return -1;
     const int64_t n_scales = (width + span - 1) / span, pow2 = pow2_at_least(span);
-    int64_t k = 0;
+    int64_t k_in = 0, k_out = 0;
     for (int64_t r = 0; r < rows; r++) {
         uint8_t *row = wire + r * row_bytes;
         float *scales = (float *)row;
         uint8_t *bits = row + 4 * n_scales;
         memset(bits, 0, (size_t)(row_bytes - 4 * n_scales));
         for (int64_t s = 0; s < n_scales; s++) {
-            const int64_t first = s * span, n = min64(span, width - first);
-            const int64_t a = r * width + first, b = a + n;  /* the span's slots, flattened */
+            const int64_t first = s * span, n = min64(span, width - first), a = r * width + first;
             const int64_t real = max64(0, min64(n, used[r] - first));
-            if (runs) {
-                memset(values, 0, (size_t)n * sizeof(float));
-                skip_runs(runs, n_runs, &k, a);
-                for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
-                    const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
-                    memcpy(values + (lo - a), src + runs[i].coord + (lo - runs[i].slot), (size_t)(hi - lo) * sizeof(float));
-                }
-            } else {
-                memcpy(values, src + a, (size_t)n * sizeof(float));
-            }
+            gather_span(src, runs, n_runs, &k_in, a, n, values);
             for (int64_t j = 0; j < real; j++) tree[j] = values[j] < 0 ? -values[j] : values[j];
             for (int64_t j = real; j < pow2; j++) tree[j] = 0.0f;
             const float sum = halving_sum(tree, pow2);
@@ -112,77 +137,11 @@ int sign_encode(const float *src, const int64_t *runs_, int64_t n_runs, const in
                 span_bits[byte] = (uint8_t)packed;
             }
             for (int64_t j = n / 8 * 8; j < n; j++) span_bits[j >> 3] |= (uint8_t)((values[j] >= 0) << (j & 7));
-            if (runs) {
-                for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
-                    const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
-                    float *out = left + runs[i].coord + (lo - runs[i].slot);
-                    const float *v = values + (lo - a);
-                    for (int64_t j = 0; j < hi - lo; j++) out[j] = v[j] - (v[j] >= 0 ? scale : -scale);
-                }
-            } else {
-                float *out = left + a;
-                for (int64_t j = 0; j < real; j++) out[j] = values[j] - (values[j] >= 0 ? scale : -scale);
-                for (int64_t j = real; j < n; j++) out[j] = values[j] - 0.0f;
-            }
+            for (int64_t j = 0; j < real; j++) values[j] = values[j] - (values[j] >= 0 ? scale : -scale);
+            for (int64_t j = real; j < n; j++) values[j] = values[j] - 0.0f;  /* what is left */
+            put_span(runs, n_runs, &k_out, a, n, values, WRITE, left);
         }
     }
-    return 0;
-}
-
-/* The owner's sum over the rows [rows, row_bytes] it received, each holding values for the
- * same slots (the first used real), in row order, into sums [width]. */
-int sign_decode_sum(const uint8_t *wire, int64_t used, int64_t rows, int64_t width, int64_t span, int64_t row_bytes,
-                    float *sums) {
-    float values[MAX_SPAN];
-    if (span > MAX_SPAN) return -1;
-    const int64_t n_scales = (width + span - 1) / span;
-    for (int64_t s = 0; s < n_scales; s++) {
-        const int64_t first = s * span, n = min64(span, width - first);
-        const int64_t real = max64(0, min64(n, used - first));
-        float *out = sums + first;
-        for (int64_t r = 0; r < rows; r++) {
-            const uint8_t *row = wire + r * row_bytes;
-            const float scale = ((const float *)row)[s];
-            decode_span(scale, row + 4 * n_scales + first / 8, real, n, r == 0 ? out : values);
-            if (r > 0)
-                for (int64_t j = 0; j < n; j++) out[j] = out[j] + values[j];
-        }
-    }
-    return 0;
-}
-
-/* Every row [rows, row_bytes] added into target at the runs' coordinates (and 0 at pad[r],
- * as index_add_ adds each padding slot's 0); overwrite: added to 0, not to what target holds
- * (as if those coordinates were zeroed first). */
-int sign_decode_add(const uint8_t *wire, const int64_t *runs_, int64_t n_runs, const int64_t *used, const int64_t *pad,
-                    int64_t rows, int64_t width, int64_t span, int64_t row_bytes, int64_t overwrite, float *target) {
-    const run_t *runs = (const run_t *)runs_;
-    float values[MAX_SPAN];
-    if (span > MAX_SPAN) return -1;
-    const int64_t n_scales = (width + span - 1) / span;
-    int64_t k = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = wire + r * row_bytes;
-        for (int64_t s = 0; s < n_scales; s++) {
-            const int64_t first = s * span, n = min64(span, width - first);
-            const int64_t a = r * width + first, b = a + n;
-            const int64_t real = max64(0, min64(n, used[r] - first));
-            if (real == 0) continue;
-            decode_span(((const float *)row)[s], row + 4 * n_scales + first / 8, real, n, values);
-            skip_runs(runs, n_runs, &k, a);
-            for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
-                const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
-                float *out = target + runs[i].coord + (lo - runs[i].slot);
-                const float *v = values + (lo - a);
-                if (overwrite)
-                    for (int64_t j = 0; j < hi - lo; j++) out[j] = 0.0f + v[j];
-                else
-                    for (int64_t j = 0; j < hi - lo; j++) out[j] = out[j] + v[j];
-            }
-        }
-    }
-    for (int64_t r = 0; r < rows; r++)
-        if (pad[r] >= 0) target[pad[r]] = target[pad[r]] + 0.0f;
     return 0;
 }
 
@@ -195,31 +154,22 @@ int sign_decode_add(const uint8_t *wire, const int64_t *runs_, int64_t n_runs, c
  * 1.5 x 2^23 has no fraction bits left, and IEEE rounds it to nearest even; as torch.round. */
 static inline float round_half_even(float x) { return (x + 12582912.0f) - 12582912.0f; }
 
+/* As sign_encode, in int8 (left at every slot a run holds, or at every slot without runs). */
 int int8_encode(const float *src, const int64_t *runs_, int64_t n_runs, int64_t rows, int64_t width, int64_t span,
                 int64_t row_bytes, uint8_t *wire, float *left) {
     const run_t *runs = (const run_t *)runs_;
-    float values[MAX_SPAN];
+    float values[MAX_SPAN], quantized[MAX_SPAN];
     if (span > MAX_SPAN) return -1;
     const int64_t n_scales = (width + span - 1) / span;
-    int64_t k = 0;
+    int64_t k_in = 0, k_out = 0;
     for (int64_t r = 0; r < rows; r++) {
         uint8_t *row = wire + r * row_bytes;
         float *scales = (float *)row;
         int8_t *codes = (int8_t *)(row + 4 * n_scales);
         memset(row + 4 * n_scales + width, 0, (size_t)(row_bytes - 4 * n_scales - width));
         for (int64_t s = 0; s < n_scales; s++) {
-            const int64_t first = s * span, n = min64(span, width - first);
-            const int64_t a = r * width + first, b = a + n;
-            if (runs) {
-                memset(values, 0, (size_t)n * sizeof(float));
-                skip_runs(runs, n_runs, &k, a);
-                for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
-                    const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
-                    memcpy(values + (lo - a), src + runs[i].coord + (lo - runs[i].slot), (size_t)(hi - lo) * sizeof(float));
-                }
-            } else {
-                memcpy(values, src + a, (size_t)n * sizeof(float));
-            }
+            const int64_t first = s * span, n = min64(span, width - first), a = r * width + first;
+            gather_span(src, runs, n_runs, &k_in, a, n, values);
             /* the largest magnitude as the largest bit pattern with the sign cleared: the same
              * order for non-negative floats (a NaN's is above infinity's, so it wins, as in
              * amax), and an integer maximum the compiler vectorizes */
@@ -234,41 +184,45 @@ int int8_encode(const float *src, const int64_t *runs_, int64_t n_runs, int64_t 
             memcpy(&amax, &amax_bits, sizeof amax);
             const float scale = amax > 0 ? amax / 127.0f : 1.0f;
             scales[s] = scale;
-            float quantized[MAX_SPAN];
             for (int64_t j = 0; j < n; j++) {
                 const float code = round_half_even(values[j] / scale);
                 quantized[j] = code < -127.0f ? -127.0f : (code > 127.0f ? 127.0f : code);
                 values[j] = values[j] - quantized[j] * scale;  /* what is left */
             }
             for (int64_t j = 0; j < n; j++) codes[first + j] = (int8_t)quantized[j];
-            if (runs) {
-                for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
-                    const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
-                    memcpy(left + runs[i].coord + (lo - runs[i].slot), values + (lo - a), (size_t)(hi - lo) * sizeof(float));
-                }
-            } else {
-                memcpy(left + a, values, (size_t)n * sizeof(float));
-            }
+            put_span(runs, n_runs, &k_out, a, n, values, WRITE, left);
         }
     }
     return 0;
 }
 
-static inline void decode_int8_span(float scale, const int8_t *codes, int64_t n, float *out) {
-    for (int64_t j = 0; j < n; j++) out[j] = (float)codes[j] * scale;
+enum { SIGN, INT8 };
+
+/* Row r's span s (slots [first, first + n), the first `real` not padding) decoded into out. */
+static inline void decode_row_span(int format, const uint8_t *row, int64_t n_scales, int64_t s, int64_t first,
+                                   int64_t n, int64_t real, float *out) {
+    const float scale = ((const float *)row)[s];
+    if (format == SIGN) {
+        decode_span(scale, row + 4 * n_scales + first / 8, real, n, out);
+    } else {
+        const int8_t *codes = (const int8_t *)(row + 4 * n_scales) + first;
+        for (int64_t j = 0; j < n; j++) out[j] = (float)codes[j] * scale;
+    }
 }
 
-int int8_decode_sum(const uint8_t *wire, int64_t rows, int64_t width, int64_t span, int64_t row_bytes, float *sums) {
+/* The owner's sum over the rows [rows, row_bytes] it received, each holding values for the
+ * same slots (the first used real), in row order, into sums [width]. */
+int rows_decode_sum(int64_t format, const uint8_t *wire, int64_t used, int64_t rows, int64_t width, int64_t span,
+                    int64_t row_bytes, float *sums) {
     float values[MAX_SPAN];
     if (span > MAX_SPAN) return -1;
     const int64_t n_scales = (width + span - 1) / span;
     for (int64_t s = 0; s < n_scales; s++) {
         const int64_t first = s * span, n = min64(span, width - first);
+        const int64_t real = max64(0, min64(n, used - first));
         float *out = sums + first;
         for (int64_t r = 0; r < rows; r++) {
-            const uint8_t *row = wire + r * row_bytes;
-            const int8_t *codes = (const int8_t *)(row + 4 * n_scales) + first;
-            decode_int8_span(((const float *)row)[s], codes, n, r == 0 ? out : values);
+            decode_row_span((int)format, wire + r * row_bytes, n_scales, s, first, n, real, r == 0 ? out : values);
             if (r > 0)
                 for (int64_t j = 0; j < n; j++) out[j] = out[j] + values[j];
         }
@@ -276,40 +230,26 @@ int int8_decode_sum(const uint8_t *wire, int64_t rows, int64_t width, int64_t sp
     return 0;
 }
 
-/* As sign_decode_add; each padding slot's decoded value (0 in practice) added at pad[r], in
- * slot order, as index_add_ adds it. */
-int int8_decode_add(const uint8_t *wire, const int64_t *runs_, int64_t n_runs, const int64_t *used, const int64_t *pad,
-                    int64_t rows, int64_t width, int64_t span, int64_t row_bytes, int64_t overwrite, float *target) {
+/* Every row [rows, row_bytes] added into target at the runs' coordinates (overwrite: added to
+ * 0, as if those coordinates were zeroed first), and each padding slot's value (0 for signs)
+ * added at pad[r] after its row's, as index_add_ adds them. */
+int rows_decode_add(int64_t format, const uint8_t *wire, const int64_t *runs_, int64_t n_runs, const int64_t *used,
+                    const int64_t *pad, int64_t rows, int64_t width, int64_t span, int64_t row_bytes, int64_t overwrite,
+                    float *target) {
     const run_t *runs = (const run_t *)runs_;
     float values[MAX_SPAN];
     if (span > MAX_SPAN) return -1;
     const int64_t n_scales = (width + span - 1) / span;
     int64_t k = 0;
     for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = wire + r * row_bytes;
-        const int8_t *codes = (const int8_t *)(row + 4 * n_scales);
         for (int64_t s = 0; s < n_scales; s++) {
-            const int64_t first = s * span, n = min64(span, width - first);
-            const int64_t a = r * width + first, b = a + n;
-            decode_int8_span(((const float *)row)[s], codes + first, n, values);
-            skip_runs(runs, n_runs, &k, a);
-            for (int64_t i = k; i < n_runs && runs[i].slot < b; i++) {
-                const int64_t lo = max64(a, runs[i].slot), hi = min64(b, runs[i].slot + runs[i].length);
-                float *out = target + runs[i].coord + (lo - runs[i].slot);
-                const float *v = values + (lo - a);
-                if (overwrite)
-                    for (int64_t j = 0; j < hi - lo; j++) out[j] = 0.0f + v[j];
-                else
-                    for (int64_t j = 0; j < hi - lo; j++) out[j] = out[j] + v[j];
-            }
+            const int64_t first = s * span, n = min64(span, width - first), a = r * width + first;
+            const int64_t real = max64(0, min64(n, used[r] - first));
+            decode_row_span((int)format, wire + r * row_bytes, n_scales, s, first, n, real, values);
+            put_span(runs, n_runs, &k, a, n, values, overwrite ? ADD_TO_ZERO : ADD, target);
+            if (pad[r] >= 0)
+                for (int64_t j = real; j < n; j++) target[pad[r]] = target[pad[r]] + values[j];
         }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        if (pad[r] < 0) continue;
-        const uint8_t *row = wire + r * row_bytes;
-        const int8_t *codes = (const int8_t *)(row + 4 * n_scales);
-        for (int64_t j = used[r]; j < width; j++)
-            target[pad[r]] = target[pad[r]] + (float)codes[j] * ((const float *)row)[j / span];
     }
     return 0;
 }

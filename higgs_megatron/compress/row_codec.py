@@ -26,7 +26,7 @@ from functools import lru_cache
 import torch
 
 from .agreed import RowRuns, ordered_row_sum, pack_rows, row_nbytes, unpack_rows
-from .native import codec_library
+from .native import FORMAT_CODES, codec_library
 
 
 @lru_cache(maxsize=None)
@@ -99,10 +99,8 @@ def decode_sum(wire: torch.Tensor, real_row: torch.Tensor, width: int, span: int
         return triton_kernels().decode_sum(wire, real_row, width, span, runs)
     if _fused(runs, None, wire):
         sums = torch.empty(1, width, dtype=torch.float32)
-        library = codec_library()
-        status = (library.sign_decode_sum(wire.data_ptr(), runs.counts[0], wire.shape[0], width, span, wire.shape[1],
-                                          sums.data_ptr()) if fmt == "sign" else
-                  library.int8_decode_sum(wire.data_ptr(), wire.shape[0], width, span, wire.shape[1], sums.data_ptr()))
+        status = codec_library().rows_decode_sum(FORMAT_CODES[fmt], wire.data_ptr(), runs.counts[0], wire.shape[0],
+                                                 width, span, wire.shape[1], sums.data_ptr())
         if status == 0:
             return sums
     return ordered_row_sum(unpack_rows(wire, fmt, width, span, torch.float32, real_row))
@@ -119,9 +117,9 @@ def decode_add(wire: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, 
         return
     rows, width = real.shape
     if _fused(runs, target, wire) and runs.runs is not None:
-        decode = codec_library().sign_decode_add if fmt == "sign" else codec_library().int8_decode_add
-        if decode(wire.data_ptr(), runs.runs.data_ptr(), runs.runs.shape[0], runs.used.data_ptr(), runs.pad.data_ptr(),
-                  rows, width, span, wire.shape[1], int(overwrite), target.data_ptr()) == 0:
+        if codec_library().rows_decode_add(FORMAT_CODES[fmt], wire.data_ptr(), runs.runs.data_ptr(), runs.runs.shape[0],
+                                           runs.used.data_ptr(), runs.pad.data_ptr(), rows, width, span, wire.shape[1],
+                                           int(overwrite), target.data_ptr()) == 0:
             return
     if overwrite:
         target.index_fill_(0, positions.masked_select(real), 0)
