@@ -5,7 +5,7 @@ memory per operation (a sign, a scale, a pack, a residual), and ``torch.compile`
 the reference's summation order (so its bytes would differ from the reference's). Megatron
 builds its dataset helpers the same way, at first use with the machine's C compiler.
 
-The library goes to ``$HIGGS_KERNEL_CACHE`` (else ``$XDG_CACHE_HOME/higgs_megatron`` or
+The library goes to ``$HIGGS_CACHE_DIR`` (else ``$XDG_CACHE_HOME/higgs_megatron`` or
 ``~/.cache/higgs_megatron``), named by a hash of the source, the flags and the compiler, and
 written atomically (a file renamed into place), so ranks that build at once on a shared
 directory do not read a half-written file. Where no compiler works the caller falls back to
@@ -42,8 +42,8 @@ FORMAT_CODES = {"sign": 0, "int8": 1}  # row_codec.c's SIGN, INT8
 
 
 def cache_dir() -> Path:
-    if os.environ.get("HIGGS_KERNEL_CACHE"):
-        return Path(os.environ["HIGGS_KERNEL_CACHE"])
+    if os.environ.get("HIGGS_CACHE_DIR"):
+        return Path(os.environ["HIGGS_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "higgs_megatron"
 
 

@@ -10,12 +10,15 @@ largest bucket's plan, twice: at the run's density and payload, and as a dense s
 returns once queued, not once done): this runs once at construction, never in a step. All
 timings are then all-reduced with MAX over the data-parallel group, so every rank fits the
 same lines and the cost model makes the same choice everywhere (the slowest rank sets the
-pace of a collective anyway). The probe moves a few tens of MB at most and takes well under
+pace of a collective anyway); the group's first rank then keeps the timings recorded for the
+same setting while these are within a factor of them (``reduce.link_record``), so the same
+command decides the same way, and broadcasts what it decides by. The probe moves a few tens of MB at most and takes well under
 a second on a 10 Gbit/s link, about two on 1 Gbit/s.
 """
 
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 from typing import Callable
@@ -27,6 +30,7 @@ from ..compress.compressor import BucketPlan, ResidualBuffer, make_selector, pac
 from ..compress.payload import DENSE_INT8, Packed, Payload
 from ..cost_model import CodecCost, CollectiveCost, LinkCosts
 from ..topology import NodeGroups
+from . import link_record
 
 SMALL = 16 * 1024
 LARGE = 4 * 1024 * 1024
@@ -101,6 +105,20 @@ def _codec_seconds_per_element(plan: BucketPlan | None, density: float, compress
     return tuple(_timed(run, device) / plan.numel for run in (compress, decode))
 
 
+def _setting(dp_group: dist.ProcessGroup, distributed_optimizer: bool, hierarchy: bool,
+             largest_plan: BucketPlan | None, density: float, compressor: str, error_feedback: bool,
+             device: torch.device, assume_gbps: float | None, assume_node_gbps: float | None) -> dict:
+    """What the timings depend on (``reduce.link_record``): the group's hosts and size, the
+    device, the largest bucket's plan and what the probe was told."""
+    hosts: list[str] = [""] * dist.get_world_size(dp_group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=dp_group)  # at start-up, not in a step
+    return {"hosts": sorted(hosts), "world": len(hosts), "device": str(device.type), "torch": torch.__version__,
+            "distributed_optimizer": distributed_optimizer, "hierarchy": hierarchy,
+            "largest_bucket": None if largest_plan is None else [largest_plan.numel, largest_plan.payload.name],
+            "density": density, "compressor": compressor, "error_feedback": error_feedback,
+            "assume_gbps": assume_gbps, "assume_node_gbps": assume_node_gbps}
+
+
 def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, distributed_optimizer: bool,
                        largest_plan: BucketPlan | None, density: float, compressor: str, error_feedback: bool,
                        device: torch.device, assume_gbps: float | None = None,
@@ -129,6 +147,14 @@ def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, di
                 if int8 else (0.0, 0.0))
     agreed = torch.tensor(timings, dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=dp_group)
+    names = [f"{name}@{size}" for name, _, _ in probes for size in (SMALL, LARGE)]
+    names += ["compress", "decode", "int8 compress", "int8 decode"]
+    setting = _setting(dp_group, distributed_optimizer, hierarchy, largest_plan, density, compressor, error_feedback,
+                       device, assume_gbps, assume_node_gbps)
+    if dist.get_rank(dp_group) == 0:  # the timings recorded for this setting, while this run's are near them
+        checked = [not name.endswith(f"@{SMALL}") for name in names]
+        agreed.copy_(torch.tensor(link_record.decide(agreed.tolist(), names, setting, checked), dtype=torch.float64))
+    dist.broadcast(agreed, src=dist.get_global_rank(dp_group, 0), group=dp_group)
     values = agreed.tolist()
     compress, decode, int8_compress, int8_decode = values[-4:]
     codecs = dict(compress_seconds_per_element=compress, decode_seconds_per_element=decode,
