@@ -649,9 +649,11 @@ class HiggsDDP(DistributedDataParallel):
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         # every bucket's last collective in flight before the first bucket decodes (the order of
-        # the groups, on every rank): the all-gathers go out while the first buckets decode
+        # the groups, on every rank): the all-gathers go out while the first buckets decode. On the
+        # current stream, where the groups' waits run (not with several optimizer instances, whose
+        # sync runs on Megatron's communication stream: the hierarchical form, nothing to prepare)
         for group in self.higgs_bucket_groups:
-            if isinstance(group.grad_reduce_handle, _GroupHandle):
+            if group.higgs.instances == 1 and isinstance(group.grad_reduce_handle, _GroupHandle):
                 group.grad_reduce_handle.prepare()
         super().finish_grad_sync(force_all_reduce)
         if self._higgs_bias is not None and self._higgs.ledger is not None:
