@@ -328,9 +328,10 @@ class AgreedForm:
             scores.settle(step.kept)
             positions, real = plan.select(scores.committed, density)
             always = grad.index_select(0, plan.always_positions)  # sent whole, summed by an all-reduce
-            if value_format in row_codec.FORMATS and density == 1.0 and residual is not None:  # one fused pass
+            runs = row_codec.runs_for(plan, value_format, density)
+            if runs is not None and residual is not None:  # one fused pass
                 left = residual.staging()
-                rows = row_codec.encode(grad, positions, real, layout.span, left, plan.row_runs, value_format)
+                rows = row_codec.encode(grad, positions, real, layout.span, left, runs, value_format)
                 # what no row holds stays as it is, but the always-sent values, which go whole (left_after's)
                 left.index_copy_(0, plan.outside_rows, grad.index_select(0, plan.outside_rows))
                 left.index_add_(0, plan.always_positions, always, alpha=-1)

@@ -20,7 +20,7 @@ Reported per node count, link and configuration: median step time, tokens/s, rat
 ``1.62x``), wire bytes per rank per step at the end of the run (what a ring puts on one
 rank's link, at this number of ranks) and over the run against Megatron's dense reduction,
 the sync share of the step (1 - floor / step: communication and compression the step waits
-for), validation loss at the end, and what ``auto`` chose.
+for), and validation loss at the end.
 
     sudo scripts/bench_two_nodes.sh [--quick] [--train-iters 40] [--bandwidths 1gbit 10gbit unshaped] [--nodes 2 4]
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from higgs_megatron_bench.nodes import NodeLinks, bits_per_second, run_on_nodes  # noqa: E402
-from higgs_megatron_bench.runs import REPO, read_log, run_pretrain, summarize  # noqa: E402
+from higgs_megatron_bench.runs import REPO, run_pretrain, summarize  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
          "--micro-batch-size", "4", "--num-threads", "1", "--overlap-grad-reduce", "--ddp-bucket-size", "1000000"]
@@ -48,20 +48,6 @@ CONFIGURATIONS = {
     "higgs": ("pretrain", ["--use-higgs"]),
 }
 SCRIPTS = {"pretrain": REPO / "examples" / "pretrain_gpt.py", "peer": REPO / "scripts" / "peer_torch_ddp.py"}
-
-
-def auto_choice(log_json: Path) -> str:
-    """What --higgs-sync auto chose, from its start-up event: '13 sparse' or '12 dense, 1 sharded'."""
-    _, events = read_log(log_json)
-    plans = [e for e in events if e["event"] == "higgs_sync_plan"]
-    if not plans:
-        return "-"
-    counts: dict[str, int] = {}
-    for bucket in plans[0]["buckets"]:
-        counts[bucket["path"]] = counts.get(bucket["path"], 0) + 1
-    link = plans[0]["costs"]
-    gbps = 8e-9 / link["dense"]["seconds_per_byte"] if link["dense"]["seconds_per_byte"] else float("inf")
-    return ", ".join(f"{n} {path}" for path, n in counts.items()) + f" (measured {gbps:.2f} Gbit/s)"
 
 
 def _interrupted(signum, frame) -> None:
@@ -127,7 +113,6 @@ def main() -> int:
                     "sync share": f"{max(0.0, 1 - floor / row['step time (ms)']):.0%}",
                     "valid loss": f"{row['final validation loss']:.4f} "
                                   f"({row['final validation loss'] / dense['final validation loss']:.3f}x)",
-                    "auto chose": auto_choice(_log(out, nodes, rate, i)) if name == "higgs" else "-",
                     "_tokens": row["tokens/s"],
                 })
     columns = [c for c in rows[0] if not c.startswith("_")]

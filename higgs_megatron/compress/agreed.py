@@ -158,7 +158,7 @@ class AgreedPlan:
         self._layouts: dict[float, AgreedLayout] = {}
         self._fixed_rows: dict[float, tuple[torch.Tensor, torch.Tensor, list[tuple[Piece, int, int]]]] = {}
         self._in_shard: dict[tuple[int, float], torch.Tensor] = {}
-        # the rows at density 1 for the fused sign codec, made here, not in a step (no host data there),
+        # the rows at density 1 for the fused codec (compress.row_codec), made here, not in a step (no host data there),
         # and the coordinates no row holds at density 1 (the always-sent ones, the bucket's padding)
         self.row_runs = self._row_runs()
         gaps, at = [], 0

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from .agreed import RowRuns, ordered_row_sum, pack_rows, row_nbytes, unpack_rows
+from .agreed import AgreedPlan, RowRuns, ordered_row_sum, pack_rows, row_nbytes, unpack_rows
 from .native import FORMAT_CODES, codec_library
 
 
@@ -42,9 +42,15 @@ def triton_kernels():
 FORMATS = ("sign", "int8")  # the fused ones: 1-bit Adam's rows, and the dense steps'
 
 
-def _on_cuda(runs: RowRuns | None, values: torch.Tensor, fmt: str) -> bool:
+def runs_for(plan: AgreedPlan, fmt: str, density: float) -> RowRuns | None:
+    """The plan's rows as runs where the fused codec takes a step (signs or int8, every piece
+    whole: density 1); None: the step is the reference's (``pack_rows``, ``unpack_rows``)."""
+    return plan.row_runs if fmt in FORMATS and density == 1.0 else None
+
+
+def _on_cuda(runs: RowRuns | None, device: torch.device, fmt: str, dtype: torch.dtype = torch.float32) -> bool:
     """The Triton kernels take CUDA tensors, the values in fp32, for rows at density 1 (signs)."""
-    return (runs is not None and fmt == "sign" and values.device.type == "cuda" and values.dtype == torch.float32
+    return (runs is not None and fmt == "sign" and device.type == "cuda" and dtype == torch.float32
             and triton_kernels() is not None)
 
 
@@ -66,7 +72,7 @@ def encode(src: torch.Tensor, positions: torch.Tensor | None, real: torch.Tensor
     slots, ``real`` (bool [rows, width]) marking the slots that are not padding (``runs``: the
     same rows, for the fused loops). ``left`` gets each value minus what is decoded from it:
     at the real slots' positions, or (``positions`` None) [rows, width] at every slot."""
-    if _on_cuda(runs, src, fmt):
+    if _on_cuda(runs, src.device, fmt, src.dtype):
         return triton_kernels().encode(src, positions, real, span, left, runs)
     rows, width = real.shape
     wire = torch.empty(rows, row_nbytes(width, fmt, span, torch.float32), dtype=torch.uint8, device=src.device)
@@ -85,8 +91,10 @@ def encode(src: torch.Tensor, positions: torch.Tensor | None, real: torch.Tensor
     wire.copy_(packed)
     if positions is None:
         torch.sub(values, rounded, out=left.view(rows, width))
-    else:
-        left.index_put_((positions.masked_select(real),), (values - rounded).masked_select(real))
+    else:  # the real slots' coordinates written; the padding's to a spare past the end (no host sync)
+        spare = torch.cat([left, left.new_zeros(1)])
+        spare.index_copy_(0, torch.where(real, positions, left.numel()).view(-1), (values - rounded).view(-1))
+        left.copy_(spare.narrow(0, 0, left.numel()))
     return wire
 
 
@@ -95,7 +103,7 @@ def decode_sum(wire: torch.Tensor, real_row: torch.Tensor, width: int, span: int
     """fp32 [1, width]: the sum of the rows ``wire`` [P, row bytes], each holding values for the
     same slots (``real_row``: bool [1, width]; ``runs``: that row's, ``RowRuns.row``), row 0
     first, then each in order."""
-    if _on_cuda(runs, wire.new_empty(0, dtype=torch.float32), fmt):
+    if _on_cuda(runs, wire.device, fmt):
         return triton_kernels().decode_sum(wire, real_row, width, span, runs)
     if _fused(runs, None, wire):
         sums = torch.empty(1, width, dtype=torch.float32)
@@ -110,9 +118,10 @@ def decode_add(wire: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, 
                target: torch.Tensor, runs: RowRuns | None = None, overwrite: bool = False, fmt: str = "sign") -> None:
     """``target`` += the rows ``wire`` [P, row bytes] at ``positions`` (int64 [P, width]), as
     ``index_add_`` adds them (the padding's values too: 0 for signs, what its codes say for
-    int8). ``overwrite``: as if ``target`` were zeroed first where the rows hold a coordinate
-    (the rest is left as it is; the fused forms write ``0 + value`` there, not a pass of zeros first)."""
-    if _on_cuda(runs, target, fmt):
+    int8). ``overwrite``: as if ``target`` were zeroed first at every position the rows name
+    (the fused forms write ``0 + value`` there, not a pass of zeros first); the caller zeroes
+    what no row holds (``AgreedPlan.outside_rows``), where a row's padding may point."""
+    if _on_cuda(runs, target.device, fmt, target.dtype):
         triton_kernels().decode_add(wire, positions, real, span, target, runs, overwrite)
         return
     rows, width = real.shape
@@ -121,6 +130,6 @@ def decode_add(wire: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, 
                                            runs.used.data_ptr(), runs.pad.data_ptr(), rows, width, span, wire.shape[1],
                                            int(overwrite), target.data_ptr()) == 0:
             return
-    if overwrite:
-        target.index_fill_(0, positions.masked_select(real), 0)
+    if overwrite:  # every position the rows name (the padding's too, which add 0 there)
+        target.index_fill_(0, positions.view(-1), 0)
     target.index_add_(0, positions.view(-1), unpack_rows(wire, fmt, width, span, target.dtype, real).view(-1))

@@ -87,8 +87,7 @@ class PendingAgreed:
         layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
         rank = self.comm.rank(self.group)
         mine_real = self.real.narrow(0, rank, 1)
-        # rows at density 1 in signs or int8: the fused codec (compress.row_codec), the same bytes as pack_rows'
-        runs = self.plan.row_runs if fmt in row_codec.FORMATS and self.density == 1.0 else None
+        runs = row_codec.runs_for(self.plan, fmt, self.density)  # fused: the same bytes as pack_rows'
         if runs is not None:
             sums = row_codec.decode_sum(self.received, mine_real, layout.width, layout.span, runs.row(rank), fmt)
         else:
@@ -130,7 +129,7 @@ class PendingAgreed:
         if self.gathered is None or waits.abandoned:
             return
         layout, fmt, dtype = self.plan.layout(self.density), self.value_format, self.target.dtype
-        runs = self.plan.row_runs if fmt in row_codec.FORMATS and self.density == 1.0 else None
+        runs = row_codec.runs_for(self.plan, fmt, self.density)
         if runs is not None:  # every coordinate a row holds written (0 + its value), the others 0
             self.target.index_fill_(0, self.plan.outside_rows, 0)
             row_codec.decode_add(self.gathered, self.positions, self.real, layout.span, self.target, runs,

@@ -151,7 +151,9 @@ def measure_link_costs(dp_group: dist.ProcessGroup, nodes: NodeGroups | None, di
     names += ["compress", "decode", "int8 compress", "int8 decode"]
     setting = _setting(dp_group, distributed_optimizer, hierarchy, largest_plan, density, compressor, error_feedback,
                        device, assume_gbps, assume_node_gbps)
-    if dist.get_rank(dp_group) == 0:  # the timings recorded for this setting, while this run's are near them
+    # At start-up (the probe runs once, at construction): the first rank reads the timings and the
+    # record for this setting, while this run's are near it, and every rank decides by what it sends.
+    if dist.get_rank(dp_group) == 0:
         checked = [not name.endswith(f"@{SMALL}") for name in names]
         agreed.copy_(torch.tensor(link_record.decide(agreed.tolist(), names, setting, checked), dtype=torch.float64))
     dist.broadcast(agreed, src=dist.get_global_rank(dp_group, 0), group=dp_group)

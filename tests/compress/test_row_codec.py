@@ -8,7 +8,8 @@ import torch
 from higgs_megatron.compress import row_codec
 from higgs_megatron.compress.agreed import AgreedPlan, halving_sum, ordered_row_sum
 from higgs_megatron.compress.compressor import ParamSlot
-from higgs_megatron.compress.native import codec_library
+from higgs_megatron.compress import native
+from higgs_megatron.compress.native import codec_library, compiler
 from higgs_megatron_bench.codec import first_difference, one_rank_codec
 
 CPU = torch.device("cpu")
@@ -21,10 +22,14 @@ PLANS = {
 }
 
 
-@pytest.fixture(autouse=True)
+# Without a compiler the codec is the reference alone (as the last test here shows it falls
+# back): there is nothing fused to hold against it.
+needs_compiler = pytest.mark.skipif(compiler() is None, reason="no C compiler (cc, gcc or $CC) on this machine")
+
+
+@pytest.fixture
 def fused_library():
-    if codec_library() is None:
-        pytest.skip("no C compiler here: the fused codec falls back to the reference")
+    assert codec_library() is not None, "a C compiler is here, and the fused codec did not build"
 
 
 def cases(name: str, device: torch.device = CPU):
@@ -38,16 +43,18 @@ def cases(name: str, device: torch.device = CPU):
         yield plan, grad.to(device), rank, (torch.randn(1, plan.layout(1.0).width, generator=generator) * 0.1).to(device)
 
 
+@needs_compiler
 @pytest.mark.parametrize("fmt", row_codec.FORMATS)
 @pytest.mark.parametrize("name", PLANS)
-def test_fused_codec_equals_the_reference_bit_for_bit(name, fmt):
+def test_fused_codec_equals_the_reference_bit_for_bit(name, fmt, fused_library):
     for plan, grad, rank, owner_residual in cases(name):
         fused = one_rank_codec(plan, grad, rank, owner_residual, fmt=fmt)
         reference = one_rank_codec(plan, grad, rank, owner_residual, fused=False, fmt=fmt)
         assert first_difference(fused, reference) is None, f"rank {rank}"
 
 
-def test_the_residual_is_what_the_receivers_do_not_decode():
+@needs_compiler
+def test_the_residual_is_what_the_receivers_do_not_decode(fused_library):
     """Conservation through the fused path: rows decoded + residual == the values sent, to the
     rounding of the residual's one subtraction."""
     numel, slots, world = PLANS["small parameters between the rows, 4 owners"]
@@ -69,3 +76,18 @@ def test_the_fixed_orders_are_sums():
     x = torch.randn(3, 5, 40, dtype=torch.float64)
     assert torch.allclose(halving_sum(x), x.sum(-1))
     assert torch.allclose(ordered_row_sum(x[0]), x[0].sum(0, keepdim=True))
+
+
+def test_a_compiler_that_fails_leaves_the_reference_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a compiler that fails every build
+    monkeypatch.setenv("HIGGS_CACHE_DIR", str(tmp_path))
+    native.codec_library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=native.__name__):
+            assert codec_library() is None
+        assert "did not build with false" in caplog.text
+        plan, grad, rank, owner_residual = next(cases("one owner, one partial span"))
+        assert first_difference(one_rank_codec(plan, grad, rank, owner_residual),
+                                one_rank_codec(plan, grad, rank, owner_residual, fused=False)) is None
+    finally:
+        native.codec_library.cache_clear()
